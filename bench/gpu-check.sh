@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# GPU check: on a machine with an NVIDIA GPU, builds strata with -DSTRATA_CUDA=ON, runs the test
+# suite (the CUDA typed suites run there instead of skipping) and the GPU benchmarks, and ends
+# with a short summary. Budget: under 8 minutes. Writes logs and JSON to ${OUT:-build-gpu/out}.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-build-gpu/out}
+mkdir -p "$out"
+start=$SECONDS
+summary=()
+note() { summary+=("$1"); echo ">>> $1"; }
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee "$out/gpu.txt"
+./scripts/install-deps.sh >"$out/deps.log" 2>&1 || { note "install-deps failed (see deps.log)"; }
+
+if cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DSTRATA_CUDA=ON >"$out/configure.log" 2>&1 &&
+   cmake --build build-gpu -j "$(nproc)" >"$out/build.log" 2>&1; then
+  note "build: ok ($((SECONDS - start)) s)"
+else
+  note "build: FAILED (see build.log)"; printf '%s\n' "${summary[@]}"; exit 1
+fi
+
+timeout 300 ctest --test-dir build-gpu -j 4 --output-on-failure >"$out/ctest.log" 2>&1
+rc=$?
+note "tests: $(grep -E 'tests passed|tests failed' "$out/ctest.log" | tail -1) (rc $rc)"
+skipped=$(grep -c 'cuda.*Skipped' "$out/ctest.log" || true)
+note "cuda typed tests skipped: $skipped (0 expected on a GPU machine)"
+
+bench=build-gpu/bench/strata-bench
+for bytes in 64MiB 1GiB; do
+  if timeout 120 "$bench" copy --backend cuda --bytes "$bytes" --iters 10 --json >"$out/copy-$bytes.json" 2>"$out/copy-$bytes.err"; then
+    note "copy $bytes: $(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print("h2d %.1f GB/s (cudaMemcpy %.1f), d2h %.1f GB/s (cudaMemcpy %.1f), verified %s" % (d["h2d_gbps"], d["reference_h2d_gbps"], d["d2h_gbps"], d["reference_d2h_gbps"], d["verified"]))' "$out/copy-$bytes.json")"
+  else
+    note "copy $bytes: FAILED ($(tail -1 "$out/copy-$bytes.err"))"
+  fi
+done
+timeout 120 "$bench" alloc --json >"$out/alloc.json" 2>&1 && note "alloc: $(cat "$out/alloc.json")"
+
+echo
+echo "=== gpu-check summary ($((SECONDS - start)) s) ==="
+printf '%s\n' "${summary[@]}"
+[ "$rc" -eq 0 ]

@@ -1,0 +1,277 @@
+// The CUDA backend (cudart): the only translation unit that includes CUDA headers.
+#include <cuda_runtime_api.h>
+#include <nvtx3/nvToolsExt.h>
+
+#include <cstdio>
+#include <mutex>
+
+#include "backends.h"
+#include "strata/io/error.h"
+#include "strata/io/units.h"
+
+namespace strata::detail {
+namespace {
+
+[[noreturn]] void throw_cuda(const char* call, cudaError_t status) {
+  throw Error(Errc::cuda_error, concat(call, " failed: ", cudaGetErrorString(status), " (",
+                                       cudaGetErrorName(status), ")"));
+}
+
+}  // namespace
+}  // namespace strata::detail
+
+/// Checks a CUDA runtime call; on failure throws strata::Error(cuda_error) naming the call.
+#define STRATA_CUDA_TRY(call)                              \
+  do {                                                     \
+    const cudaError_t strata_status_ = (call);             \
+    if (strata_status_ != cudaSuccess) [[unlikely]]        \
+      ::strata::detail::throw_cuda(#call, strata_status_); \
+  } while (0)
+
+namespace strata::detail {
+namespace {
+
+// Marks a span in Nsight Systems.
+class NvtxRange {
+ public:
+  explicit NvtxRange(const char* name) { nvtxRangePushA(name); }
+  ~NvtxRange() { nvtxRangePop(); }
+  NvtxRange(const NvtxRange&) = delete;
+  NvtxRange& operator=(const NvtxRange&) = delete;
+};
+
+cudaMemcpyKind to_cuda(CopyKind kind) noexcept {
+  switch (kind) {
+    case CopyKind::HostToDevice:
+      return cudaMemcpyHostToDevice;
+    case CopyKind::DeviceToHost:
+      return cudaMemcpyDeviceToHost;
+    case CopyKind::DeviceToDevice:
+      return cudaMemcpyDeviceToDevice;
+    case CopyKind::HostToHost:
+      return cudaMemcpyHostToHost;
+  }
+  return cudaMemcpyDefault;
+}
+
+const char* copy_label(CopyKind kind) noexcept {
+  switch (kind) {
+    case CopyKind::HostToDevice:
+      return "strata:h2d";
+    case CopyKind::DeviceToHost:
+      return "strata:d2h";
+    case CopyKind::DeviceToDevice:
+      return "strata:d2d";
+    case CopyKind::HostToHost:
+      return "strata:h2h";
+  }
+  return "strata:copy";
+}
+
+class CudaEvent final : public Event {
+ public:
+  explicit CudaEvent(int device) {
+    STRATA_CUDA_TRY(cudaSetDevice(device));
+    STRATA_CUDA_TRY(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
+  }
+  ~CudaEvent() override { cudaEventDestroy(event_); }
+  void synchronize() override { STRATA_CUDA_TRY(cudaEventSynchronize(event_)); }
+  bool ready() override {
+    const cudaError_t status = cudaEventQuery(event_);
+    if (status == cudaErrorNotReady) return false;
+    STRATA_CUDA_TRY(status);
+    return true;
+  }
+  [[nodiscard]] cudaEvent_t get() const noexcept { return event_; }
+
+ private:
+  cudaEvent_t event_ = nullptr;
+};
+
+CudaEvent& as_cuda_event(Event& event) {
+  auto* cuda = dynamic_cast<CudaEvent*>(&event);
+  STRATA_EXPECTS(cuda != nullptr, "cuda backend: event was not created by the cuda backend");
+  return *cuda;
+}
+
+class CudaStream final : public Stream {
+ public:
+  CudaStream(std::string name, int device) : Stream(std::move(name)), device_(device) {
+    STRATA_CUDA_TRY(cudaSetDevice(device_));
+    STRATA_CUDA_TRY(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  }
+  ~CudaStream() override {
+    cudaStreamSynchronize(stream_);
+    cudaStreamDestroy(stream_);
+  }
+
+  void copy_async(void* dst, const void* src, std::size_t bytes, CopyKind kind) override {
+    if (bytes == 0) return;
+    NvtxRange range(copy_label(kind));
+    STRATA_CUDA_TRY(cudaSetDevice(device_));
+    STRATA_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, to_cuda(kind), stream_));
+  }
+  void memset_async(void* dst, int value, std::size_t bytes) override {
+    if (bytes == 0) return;
+    STRATA_CUDA_TRY(cudaSetDevice(device_));
+    STRATA_CUDA_TRY(cudaMemsetAsync(dst, value, bytes, stream_));
+  }
+  void record(Event& event) override {
+    STRATA_CUDA_TRY(cudaEventRecord(as_cuda_event(event).get(), stream_));
+  }
+  void wait(Event& event) override {
+    STRATA_CUDA_TRY(cudaStreamWaitEvent(stream_, as_cuda_event(event).get(), 0));
+  }
+  void launch_host_func(std::function<void()> fn) override {
+    STRATA_EXPECTS(fn != nullptr, "stream ", name(), ": empty host function");
+    auto* task = new Task{std::move(fn), this};
+    const cudaError_t status = cudaLaunchHostFunc(stream_, &CudaStream::trampoline, task);
+    if (status != cudaSuccess) {
+      delete task;
+      throw_cuda("cudaLaunchHostFunc", status);
+    }
+  }
+  void synchronize() override {
+    STRATA_CUDA_TRY(cudaStreamSynchronize(stream_));
+    std::exception_ptr failure;
+    {
+      std::lock_guard lock(mutex_);
+      failure = std::exchange(failure_, nullptr);
+    }
+    if (failure) std::rethrow_exception(failure);
+  }
+
+ private:
+  struct Task {
+    std::function<void()> fn;
+    CudaStream* stream;
+  };
+  static void CUDART_CB trampoline(void* data) {
+    auto* task = static_cast<Task*>(data);
+    try {
+      task->fn();
+    } catch (...) {
+      std::lock_guard lock(task->stream->mutex_);
+      if (!task->stream->failure_) task->stream->failure_ = std::current_exception();
+    }
+    delete task;
+  }
+
+  int device_;
+  cudaStream_t stream_ = nullptr;
+  std::mutex mutex_;
+  std::exception_ptr failure_;
+};
+
+void release_registered_pages(void* data, std::size_t bytes) noexcept {
+  cudaHostUnregister(data);
+  unmap_pages(data, bytes);
+}
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(const BackendOptions& options) : Backend(make_info(options)) {
+    const int device = info_.ordinal;
+    STRATA_CUDA_TRY(cudaSetDevice(device));
+    const cudaError_t status = cudaMalloc(&reservation_, info_.budget_bytes);
+    if (status != cudaSuccess) {
+      std::size_t free = 0, total = 0;
+      cudaMemGetInfo(&free, &total);
+      throw OutOfMemoryError("Device", info_.budget_bytes, free, free,
+                             concat("cudaMalloc of the device budget on device ", device,
+                                    " failed: ", cudaGetErrorString(status)));
+    }
+    start(reservation_, info_.budget_bytes);
+  }
+
+  ~CudaBackend() override {
+    stop();
+    cudaSetDevice(info_.ordinal);
+    cudaFree(reservation_);
+  }
+
+  PinnedBuffer allocate_pinned(std::size_t bytes) override {
+    STRATA_EXPECTS(bytes > 0, "allocate_pinned: 0 bytes");
+    // mmap + cudaHostRegister rather than cudaHostAlloc: the pages are 4 KiB aligned for O_DIRECT
+    // and registrable with io_uring as well as pinned for DMA.
+    void* data = map_pages(bytes, "Host (pinned)", /*reserve_only=*/false);
+    const cudaError_t status =
+        cudaHostRegister(data, align_up(bytes, 4096), cudaHostRegisterPortable);
+    if (status != cudaSuccess) {
+      unmap_pages(data, bytes);
+      throw OutOfMemoryError("Host (pinned)", bytes, 0, 0,
+                             concat("cudaHostRegister failed: ", cudaGetErrorString(status)));
+    }
+    return PinnedBuffer(data, bytes, true, &release_registered_pages);
+  }
+
+  std::unique_ptr<Stream> create_stream(std::string name) override {
+    return std::make_unique<CudaStream>(std::move(name), info_.ordinal);
+  }
+
+  std::unique_ptr<Event> create_event() override {
+    return std::make_unique<CudaEvent>(info_.ordinal);
+  }
+
+  void copy(void* dst, const void* src, std::size_t bytes, CopyKind kind) override {
+    NvtxRange range(copy_label(kind));
+    STRATA_CUDA_TRY(cudaSetDevice(info_.ordinal));
+    STRATA_CUDA_TRY(cudaMemcpy(dst, src, bytes, to_cuda(kind)));
+  }
+
+ private:
+  static DeviceInfo make_info(const BackendOptions& options) {
+    std::string why;
+    const int count = cuda_device_count_impl(&why);
+    if (options.device_ordinal >= count) {
+      STRATA_FAIL(Errc::unsupported, "backend cuda: no CUDA device ", options.device_ordinal, " (",
+                  count, " usable", why.empty() ? "" : "; ", why, ")");
+    }
+    DeviceInfo info;
+    info.kind = BackendKind::Cuda;
+    info.ordinal = options.device_ordinal;
+    cudaDeviceProp prop{};
+    STRATA_CUDA_TRY(cudaGetDeviceProperties(&prop, info.ordinal));
+    info.name = prop.name;
+    STRATA_CUDA_TRY(cudaSetDevice(info.ordinal));
+    std::size_t free = 0, total = 0;
+    STRATA_CUDA_TRY(cudaMemGetInfo(&free, &total));
+    info.total_bytes = total;
+    info.budget_bytes =
+        options.device_budget_bytes != 0 ? options.device_budget_bytes : free / 10 * 9;
+    if (info.budget_bytes > free) {
+      throw OutOfMemoryError("Device", info.budget_bytes, free, free,
+                             concat("device_budget exceeds the free memory of device ",
+                                    info.ordinal, " (", prop.name, ")"));
+    }
+    info.budget_bytes = info.budget_bytes / 256 * 256;
+    info.host_addressable = false;
+    return info;
+  }
+
+  void* reservation_ = nullptr;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cuda_backend(const BackendOptions& options) {
+  return std::make_unique<CudaBackend>(options);
+}
+
+int cuda_device_count_impl(std::string* why) noexcept {
+  int count = 0;
+  const cudaError_t status = cudaGetDeviceCount(&count);
+  if (status != cudaSuccess) {
+    if (why != nullptr) *why = concat("cudaGetDeviceCount: ", cudaGetErrorString(status));
+    cudaGetLastError();  // clear the sticky-free error so later calls start clean
+    return 0;
+  }
+  if (count == 0 && why != nullptr) *why = "no CUDA devices";
+  return count;
+}
+
+bool cuda_compiled() noexcept {
+  return true;
+}
+
+}  // namespace strata::detail
