@@ -1,5 +1,7 @@
 #include "strata/io/error.h"
 
+#include <cstring>
+
 #include "strata/io/units.h"
 
 namespace strata {
@@ -39,5 +41,16 @@ OutOfMemoryError::OutOfMemoryError(std::string tier, std::size_t requested_bytes
       requested_bytes_(requested_bytes),
       free_bytes_(free_bytes),
       largest_free_bytes_(largest_free_bytes) {}
+
+IoError::IoError(Errc code, std::string path, std::uint64_t offset, std::uint64_t bytes, int error,
+                 const std::string& what_failed)
+    : Error(code,
+            detail::concat(what_failed, " of ", bytes, " bytes at offset ", offset, " of ", path,
+                           error != 0 ? ": " : "", error != 0 ? std::strerror(error) : "",
+                           error != 0 ? detail::concat(" (errno ", error, ")") : "")),
+      path_(std::move(path)),
+      offset_(offset),
+      bytes_(bytes),
+      errno_(error) {}
 
 }  // namespace strata

@@ -55,6 +55,25 @@ class OutOfMemoryError : public Error {
   std::size_t largest_free_bytes_;
 };
 
+/// A file operation failed. Names the file, the byte range and the system error.
+class IoError : public Error {
+ public:
+  /// `error` is a positive errno (EIO, ENOSPC, ...) or 0 for a non-system failure (a checksum
+  /// mismatch uses Errc::corrupt_data).
+  IoError(Errc code, std::string path, std::uint64_t offset, std::uint64_t bytes, int error,
+          const std::string& what_failed);
+  [[nodiscard]] const std::string& path() const noexcept { return path_; }
+  [[nodiscard]] std::uint64_t offset() const noexcept { return offset_; }
+  [[nodiscard]] std::uint64_t bytes() const noexcept { return bytes_; }
+  [[nodiscard]] int error_number() const noexcept { return errno_; }
+
+ private:
+  std::string path_;
+  std::uint64_t offset_;
+  std::uint64_t bytes_;
+  int errno_;
+};
+
 namespace detail {
 /// Concatenates anything streamable; for building error messages only (not a hot path).
 template <typename... Args>

@@ -1,3 +1,5 @@
+#include "strata/io/pages.h"
+
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -6,30 +8,30 @@
 #include <cstdio>
 #include <cstring>
 
-#include "backends.h"
 #include "strata/io/error.h"
 #include "strata/io/units.h"
 
-namespace strata::detail {
+namespace strata {
 
 void* map_pages(std::size_t bytes, const char* tier, bool reserve_only) {
-  const std::size_t length = align_up(bytes, 4096);
+  const std::size_t length = align_up(bytes, kPageBytes);
   int flags = MAP_PRIVATE | MAP_ANONYMOUS;
   if (reserve_only) flags |= MAP_NORESERVE;
   void* data = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, flags, -1, 0);
   if (data == MAP_FAILED) {
-    throw OutOfMemoryError(tier, bytes, 0, 0,
-                           concat("mmap of ", length, " bytes failed: ", std::strerror(errno)));
+    throw OutOfMemoryError(
+        tier, bytes, 0, 0,
+        detail::concat("mmap of ", length, " bytes failed: ", std::strerror(errno)));
   }
   return data;
 }
 
 void unmap_pages(void* data, std::size_t bytes) noexcept {
-  if (data != nullptr) ::munmap(data, align_up(bytes, 4096));
+  if (data != nullptr) ::munmap(data, align_up(bytes, kPageBytes));
 }
 
 bool lock_pages(void* data, std::size_t bytes) noexcept {
-  if (::mlock(data, align_up(bytes, 4096)) == 0) return true;
+  if (::mlock(data, align_up(bytes, kPageBytes)) == 0) return true;
   static std::atomic<bool> warned{false};
   if (!warned.exchange(true)) {
     std::fprintf(stderr,
@@ -47,4 +49,9 @@ std::size_t physical_memory_bytes() noexcept {
                                : 0;
 }
 
-}  // namespace strata::detail
+PageBuffer::PageBuffer(std::size_t bytes, bool lock, const char* tier)
+    : data_(map_pages(bytes, tier)), bytes_(bytes) {
+  if (lock) locked_ = lock_pages(data_, bytes_);
+}
+
+}  // namespace strata

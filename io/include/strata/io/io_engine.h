@@ -1,0 +1,123 @@
+// IoEngine: asynchronous reads and writes of byte ranges of files. Two engines: io_uring
+// (liburing; registered files and fixed buffers) and POSIX (a thread pool of pread/pwrite).
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <future>
+#include <memory>
+#include <string>
+
+#include "strata/io/file.h"
+#include "strata/io/io_options.h"
+
+namespace strata {
+
+enum class IoOp : std::uint8_t { Read, Write };
+
+/// Read or write `bytes` at `offset` of `file` into or from `buffer`. The file and the buffer
+/// must stay valid until the request completes. For a file opened with O_DIRECT, offset, bytes
+/// and buffer must be 4 KiB aligned (SwapSpace takes care of that for its callers).
+struct IoRequest {
+  IoOp op = IoOp::Read;
+  const File* file = nullptr;
+  std::uint64_t offset = 0;
+  std::size_t bytes = 0;
+  void* buffer = nullptr;
+};
+
+/// Runs once when a request completes: `error` is null on success, else an IoError naming the
+/// file, offset and bytes of the failed operation. It runs on an engine thread: keep it short
+/// and never block in it on another request of the same engine.
+using IoCallback = std::function<void(std::exception_ptr error)>;
+
+struct IoStats {
+  std::uint64_t requests = 0;       ///< submitted
+  std::uint64_t operations = 0;     ///< chunk reads/writes issued, resubmissions included
+  std::uint64_t resubmissions = 0;  ///< short transfers, -EAGAIN and -EINTR re-queued
+  std::uint64_t failed_requests = 0;
+  std::uint64_t bytes_read = 0;  ///< by requests that succeeded
+  std::uint64_t bytes_written = 0;
+};
+
+/// Contract:
+/// - submit() returns at once; each request completes on its own (no all-or-nothing wait).
+/// - A request is split into `block_size` chunks; up to `queue_depth` chunks are in flight per
+///   ring (per worker pool for POSIX). Short transfers, -EAGAIN and -EINTR are resubmitted for
+///   the remainder. EOF inside a read is an error (the bytes are not there).
+/// - A failure (EIO, ENOSPC, ...) fails that request only; the engine keeps serving others.
+/// - Thread-safe: any thread may submit. Destruction waits for every submitted request.
+class IoEngine {
+ public:
+  virtual ~IoEngine();
+  IoEngine(const IoEngine&) = delete;
+  IoEngine& operator=(const IoEngine&) = delete;
+
+  [[nodiscard]] EngineKind kind() const noexcept { return kind_; }
+  [[nodiscard]] const IoOptions& options() const noexcept { return options_; }
+
+  /// Starts `request`; `done` runs exactly once. Invalid requests (null file or buffer,
+  /// misalignment under O_DIRECT) throw strata::Error before anything starts.
+  void submit(const IoRequest& request, IoCallback done);
+  /// As above; the future's get() rethrows the request's IoError.
+  std::future<void> submit(const IoRequest& request);
+  /// Reads or writes synchronously (submit + wait).
+  void run(const IoRequest& request) { submit(request).get(); }
+
+  /// Registers [data, data + bytes) so requests whose buffer lies inside use fixed-buffer ops
+  /// (io_uring); split into iovecs of at most 1 GiB. A no-op on the POSIX engine. The memory
+  /// must stay mapped until unregister_buffer(data).
+  virtual void register_buffer(void* data, std::size_t bytes) = 0;
+  virtual void unregister_buffer(void* data) = 0;
+  /// Registers a file's descriptor (io_uring registered files). Unregister before closing it.
+  virtual void register_file(const File& file) = 0;
+  virtual void unregister_file(const File& file) = 0;
+
+  [[nodiscard]] IoStats stats() const noexcept;
+  /// What the engine runs with, for people: "io_uring (defer_taskrun, 64 fixed buffers, ...)".
+  [[nodiscard]] virtual std::string describe() const = 0;
+
+ protected:
+  IoEngine(EngineKind kind, IoOptions options);
+
+  /// Everything an engine tracks for one request.
+  struct Pending {
+    IoRequest request;
+    IoCallback done;
+    std::uint64_t issued = 0;     ///< bytes handed to operations so far
+    std::uint64_t completed = 0;  ///< bytes transferred
+    unsigned in_flight = 0;       ///< operations not yet completed
+    std::exception_ptr error;     ///< first failure
+  };
+  virtual void do_submit(std::unique_ptr<Pending> pending) = 0;
+
+  /// Applies the configured fault injection to one completed operation: returns the result the
+  /// engine should act on (the real one, -EIO, -ENOSPC or a shortened count).
+  std::int64_t inject(IoOp op, std::int64_t result, std::size_t bytes) noexcept;
+  /// Records a failure of the operation [offset, offset + bytes) of `pending` (first one wins).
+  static void fail(Pending& pending, std::uint64_t offset, std::size_t bytes, int error);
+  /// Runs the callback and updates the statistics; `pending` is done.
+  void finish(std::unique_ptr<Pending> pending) noexcept;
+  void count_operation(bool resubmission) noexcept {
+    operations_.fetch_add(1, std::memory_order_relaxed);
+    if (resubmission) resubmissions_.fetch_add(1, std::memory_order_relaxed);
+  }
+
+ private:
+  EngineKind kind_;
+  IoOptions options_;
+  std::atomic<std::uint64_t> reads_seen_{0}, writes_seen_{0};
+  std::atomic<std::uint64_t> requests_{0}, operations_{0}, resubmissions_{0}, failed_{0};
+  std::atomic<std::uint64_t> bytes_read_{0}, bytes_written_{0};
+};
+
+/// Builds the engine `options.engine` asks for. Auto tries io_uring and falls back to POSIX when
+/// the kernel refuses it (ENOSYS, EPERM, disabled by sysctl), saying so once on stderr.
+/// @throws strata::Error naming the key for invalid options; unsupported for an explicit
+///         `uring` the kernel refuses.
+std::unique_ptr<IoEngine> make_io_engine(const IoOptions& options);
+
+}  // namespace strata

@@ -1,0 +1,52 @@
+// Options of the I/O engines and their defaults, in one place. Each is overridable and
+// validated; a bad value is an error naming its key.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace strata {
+
+enum class EngineKind { Auto, Uring, Posix };
+std::string_view to_string(EngineKind kind) noexcept;
+/// Parses "auto", "uring" or "posix"; throws strata::Error naming `key` otherwise.
+EngineKind parse_engine_kind(std::string_view text, std::string_view key = "io.engine");
+
+/// One injected fault: the `nth` (1-based) read or write operation the engine completes fails
+/// with EIO or ENOSPC, or transfers only part of its bytes (the engine must resubmit the rest).
+/// Counted per operation the engine issues (a request split into chunks issues several).
+struct FaultSpec {
+  enum class Op { Read, Write };
+  enum class Kind { Eio, Enospc, Short };
+  Op op = Op::Read;
+  std::uint64_t nth = 1;
+  Kind kind = Kind::Eio;
+};
+/// Parses "read:3:eio", "write:10:enospc", "read:1:short".
+FaultSpec parse_fault(std::string_view text, std::string_view key = "io.faults");
+
+namespace io_defaults {
+inline constexpr std::size_t kBlockBytes = 1 << 20;  ///< chunk a request is split into
+inline constexpr unsigned kQueueDepth = 16;          ///< chunks in flight per ring
+inline constexpr unsigned kPosixThreads = 4;         ///< POSIX engine workers
+inline constexpr bool kDirect = true;                ///< O_DIRECT where the filesystem allows
+}  // namespace io_defaults
+
+struct IoOptions {
+  EngineKind engine = EngineKind::Auto;
+  std::size_t block_size = io_defaults::kBlockBytes;  ///< multiple of 4 KiB, 4 KiB..1 GiB
+  unsigned queue_depth = io_defaults::kQueueDepth;    ///< 1..4096
+  unsigned threads = io_defaults::kPosixThreads;      ///< 1..256 (POSIX engine)
+  bool direct = io_defaults::kDirect;
+  bool sqpoll = false;            ///< io_uring kernel submission thread
+  std::vector<FaultSpec> faults;  ///< fault injection (tests)
+  bool quiet = false;             ///< no notices on stderr
+
+  /// Throws strata::Error (invalid_argument) naming the first bad key.
+  void validate() const;
+};
+
+}  // namespace strata

@@ -1,0 +1,111 @@
+// SwapSpace: the NVMe tier's storage. Extents of preallocated swap files striped over one or more
+// directories (one per drive), plus read-only extents of existing files (model weights).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "strata/io/file.h"
+#include "strata/io/io_engine.h"
+#include "strata/io/range_allocator.h"
+
+namespace strata {
+
+struct SwapOptions {
+  std::vector<std::string> paths;        ///< directories, one per drive (nvme.paths)
+  std::uint64_t capacity_bytes = 0;      ///< swap bytes over all paths (nvme.capacity)
+  std::uint64_t stripe_bytes = 1 << 20;  ///< RAID-0 stripe unit, multiple of 4 KiB
+  bool checksums = true;                 ///< CRC32C per written piece, verified on read
+  bool keep_files = false;               ///< leave the swap files behind on destruction
+  bool direct = true;                    ///< O_DIRECT where the filesystem allows
+
+  /// Throws strata::Error (invalid_argument) naming the first bad key.
+  void validate() const;
+};
+
+/// Identifies an extent of a SwapSpace.
+using ExtentId = std::uint64_t;
+
+/// One contiguous piece of an extent inside one file.
+struct ExtentPiece {
+  std::string path;
+  std::uint64_t offset = 0;
+  std::uint64_t bytes = 0;
+};
+
+/// Contract:
+/// - Swap files are created and preallocated (fallocate) at construction, one per path, and
+///   removed at destruction unless keep_files. A missing or read-only directory, or a disk too
+///   small for the capacity, is an error naming the path.
+/// - allocate() gives an extent of 4 KiB-aligned logical space (RangeAllocator, best fit); its
+///   bytes are striped over the paths in `stripe_bytes` units, so N drives give N drives' rate.
+///   No room is an OutOfMemoryError for tier "Nvme".
+/// - map_file() makes a read-only extent of an existing file at any offset; it is read as its
+///   page-aligned superset with O_DIRECT and handed over at the right offset. It is never
+///   written.
+/// - read()/write() take any buffer and size (up to the extent's bytes); aligned buffers and
+///   4 KiB multiples go straight to the engine, the rest through page-aligned staging.
+/// - With checksums on, a read of a piece whose CRC32C differs from the one written fails with
+///   Errc::corrupt_data naming the file, offset and length; wrong bytes are never handed over as
+///   good. A write that fails (EIO, ENOSPC) reports an IoError and marks the extent torn: later
+///   reads of it fail instead of returning half-written data. The caller still has its source.
+/// - Thread-safe. Callbacks run on an engine thread.
+class SwapSpace {
+ public:
+  SwapSpace(SwapOptions options, IoEngine& engine);
+  SwapSpace(const SwapSpace&) = delete;
+  SwapSpace& operator=(const SwapSpace&) = delete;
+  ~SwapSpace();
+
+  ExtentId allocate(std::uint64_t bytes);
+  /// A read-only extent: `bytes` at `offset` of the file at `path`.
+  ExtentId map_file(const std::string& path, std::uint64_t offset, std::uint64_t bytes);
+  /// Frees a swap extent's space, or forgets a mapped one. No I/O on it may be pending.
+  void release(ExtentId id);
+
+  void write(ExtentId id, const void* data, std::size_t bytes, IoCallback done);
+  void read(ExtentId id, void* data, std::size_t bytes, IoCallback done);
+  std::future<void> write(ExtentId id, const void* data, std::size_t bytes);
+  std::future<void> read(ExtentId id, void* data, std::size_t bytes);
+
+  [[nodiscard]] std::uint64_t extent_bytes(ExtentId id) const;
+  /// Where an extent's bytes live, in order (for errors, tests and tools).
+  [[nodiscard]] std::vector<ExtentPiece> pieces(ExtentId id) const;
+  [[nodiscard]] RangeStats stats() const;
+  [[nodiscard]] const std::vector<std::string>& swap_files() const noexcept { return file_paths_; }
+  [[nodiscard]] const SwapOptions& options() const noexcept { return options_; }
+  [[nodiscard]] IoEngine& engine() noexcept { return engine_; }
+
+ private:
+  struct Piece {
+    const File* file;
+    std::uint64_t offset;  ///< in the file
+    std::uint64_t bytes;   ///< of the extent's bytes in this piece
+    std::uint64_t at;      ///< position of the piece in the extent
+  };
+  struct Extent;
+  struct MappedFile;
+  struct Transfer;
+
+  std::vector<Piece> layout(const Extent& e, std::uint64_t bytes) const;
+  std::shared_ptr<Extent> find(ExtentId id) const;
+  void start(std::shared_ptr<Transfer> t);
+
+  SwapOptions options_;
+  IoEngine& engine_;
+  std::vector<File> files_;
+  std::vector<std::string> file_paths_;
+  mutable std::mutex mutex_;
+  RangeAllocator space_;
+  ExtentId next_id_ = 1;
+  std::unordered_map<ExtentId, std::shared_ptr<Extent>> extents_;
+  std::unordered_map<std::string, std::shared_ptr<MappedFile>> mapped_;
+};
+
+}  // namespace strata

@@ -1,0 +1,299 @@
+#include "strata/io/io_engine.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "io/io_test_util.h"
+#include "strata/io/error.h"
+#include "strata/io/units.h"
+
+namespace strata::testing {
+namespace {
+
+struct UringParam {
+  static constexpr EngineKind kind = EngineKind::Uring;
+};
+struct PosixParam {
+  static constexpr EngineKind kind = EngineKind::Posix;
+};
+
+template <typename Param>
+class IoEngineTest : public ::testing::Test {
+ protected:
+  std::unique_ptr<IoEngine> make(IoOptions options = {}) {
+    options.engine = Param::kind;
+    options.quiet = true;
+    return make_io_engine(options);
+  }
+  TempDir dir_;
+};
+
+class EngineNames {
+ public:
+  template <typename T>
+  static std::string GetName(int) {
+    return T::kind == EngineKind::Uring ? "uring" : "posix";
+  }
+};
+using Engines = ::testing::Types<UringParam, PosixParam>;
+TYPED_TEST_SUITE(IoEngineTest, Engines, EngineNames);
+
+TYPED_TEST(IoEngineTest, RoundTripsManySizesWithODirect) {
+  IoOptions options;
+  options.block_size = 256 * KiB;
+  options.queue_depth = 4;
+  auto engine = this->make(options);
+  EXPECT_EQ(engine->kind(), TypeParam::kind);
+  File file(this->dir_.file("data.bin"), File::Mode::Create, true);
+  ASSERT_TRUE(file.direct());
+  std::uint64_t offset = 0;
+  for (std::size_t bytes : {4 * KiB, 8 * KiB, 68 * KiB, 256 * KiB, 1 * MiB + 4 * KiB, 3 * MiB}) {
+    PageBuffer out(bytes), in(bytes);
+    fill_pattern(out.data(), bytes, static_cast<unsigned>(bytes));
+    engine->run({IoOp::Write, &file, offset, bytes, out.data()});
+    engine->run({IoOp::Read, &file, offset, bytes, in.data()});
+    ASSERT_EQ(std::memcmp(out.data(), in.data(), bytes), 0) << bytes << " bytes";
+    offset += bytes;
+  }
+  const IoStats s = engine->stats();
+  EXPECT_EQ(s.failed_requests, 0u);
+  EXPECT_EQ(s.bytes_written, offset);
+  EXPECT_EQ(s.bytes_read, offset);
+  // 3 MiB in 256 KiB blocks alone is 12 operations each way.
+  EXPECT_GE(s.operations, 2 * 12u);
+}
+
+TYPED_TEST(IoEngineTest, BufferedFilesTakeAnySizeAndOffset) {
+  auto engine = this->make();
+  File file(this->dir_.file("buffered.bin"), File::Mode::Create, false);
+  EXPECT_FALSE(file.direct());
+  std::uint64_t offset = 3;
+  for (std::size_t bytes : {1, 17, 4095, 12345, 1000001}) {
+    auto out = pattern(bytes, static_cast<unsigned>(bytes));
+    std::vector<unsigned char> in(bytes);
+    engine->run({IoOp::Write, &file, offset, bytes, out.data()});
+    engine->run({IoOp::Read, &file, offset, bytes, in.data()});
+    ASSERT_EQ(in, out) << bytes;
+    offset += bytes + 1;
+  }
+}
+
+TYPED_TEST(IoEngineTest, ServesManyConcurrentRequestsFromSeveralThreads) {
+  IoOptions options;
+  options.block_size = 64 * KiB;
+  auto engine = this->make(options);
+  File file(this->dir_.file("concurrent.bin"), File::Mode::Create, true);
+  constexpr int kThreads = 4, kPerThread = 32;
+  constexpr std::size_t kBytes = 128 * KiB;
+  std::atomic<int> mismatches{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      PageBuffer out(kBytes * kPerThread), in(kBytes * kPerThread);
+      fill_pattern(out.data(), out.size(), t + 100);
+      std::vector<std::future<void>> writes, reads;
+      for (int i = 0; i < kPerThread; ++i) {
+        const std::uint64_t offset = (static_cast<std::uint64_t>(t) * kPerThread + i) * kBytes;
+        writes.push_back(engine->submit({IoOp::Write, &file, offset, kBytes,
+                                         out.data() + static_cast<std::size_t>(i) * kBytes}));
+      }
+      for (auto& w : writes)
+        w.get();
+      for (int i = 0; i < kPerThread; ++i) {
+        const std::uint64_t offset = (static_cast<std::uint64_t>(t) * kPerThread + i) * kBytes;
+        reads.push_back(engine->submit(
+            {IoOp::Read, &file, offset, kBytes, in.data() + static_cast<std::size_t>(i) * kBytes}));
+      }
+      for (auto& r : reads)
+        r.get();
+      if (std::memcmp(out.data(), in.data(), out.size()) != 0) mismatches.fetch_add(1);
+    });
+  }
+  for (auto& th : threads)
+    th.join();
+  EXPECT_EQ(mismatches.load(), 0);
+  EXPECT_EQ(engine->stats().requests, 2u * kThreads * kPerThread);
+}
+
+TYPED_TEST(IoEngineTest, InjectedEioFailsThatRequestOnlyAndLosesNothing) {
+  IoOptions options;
+  options.block_size = 64 * KiB;
+  options.faults = {parse_fault("read:3:eio")};
+  auto engine = this->make(options);
+  File file(this->dir_.file("eio.bin"), File::Mode::Create, true);
+  constexpr std::size_t kBytes = 64 * KiB;  // one operation per request
+  PageBuffer out(4 * kBytes), in(4 * kBytes);
+  fill_pattern(out.data(), out.size(), 7);
+  engine->run({IoOp::Write, &file, 0, out.size(), out.data()});
+  for (int i = 0; i < 4; ++i) {
+    const std::uint64_t offset = static_cast<std::uint64_t>(i) * kBytes;
+    IoRequest r{IoOp::Read, &file, offset, kBytes, in.data() + offset};
+    if (i == 2) {
+      try {
+        engine->run(r);
+        FAIL() << "the third read should fail";
+      } catch (const IoError& e) {
+        EXPECT_EQ(e.error_number(), EIO);
+        EXPECT_EQ(e.path(), file.path());
+        EXPECT_EQ(e.offset(), offset);
+        EXPECT_EQ(e.bytes(), kBytes);
+        EXPECT_NE(std::string(e.what()).find(file.path()), std::string::npos) << e.what();
+      }
+      engine->run(r);  // the retry succeeds: the data was never lost
+    } else {
+      engine->run(r);
+    }
+  }
+  EXPECT_EQ(std::memcmp(out.data(), in.data(), out.size()), 0);
+  EXPECT_EQ(engine->stats().failed_requests, 1u);
+}
+
+TYPED_TEST(IoEngineTest, ShortTransfersAreResubmittedForTheRemainder) {
+  IoOptions options;
+  options.block_size = 1 * MiB;
+  options.faults = {parse_fault("write:1:short"), parse_fault("read:1:short"),
+                    parse_fault("read:2:short")};
+  auto engine = this->make(options);
+  File file(this->dir_.file("short.bin"), File::Mode::Create, true);
+  PageBuffer out(1 * MiB), in(1 * MiB);
+  fill_pattern(out.data(), out.size(), 9);
+  engine->run({IoOp::Write, &file, 0, out.size(), out.data()});
+  engine->run({IoOp::Read, &file, 0, in.size(), in.data()});
+  EXPECT_EQ(std::memcmp(out.data(), in.data(), out.size()), 0);
+  EXPECT_EQ(engine->stats().resubmissions, 3u);
+  EXPECT_EQ(engine->stats().failed_requests, 0u);
+}
+
+TYPED_TEST(IoEngineTest, InjectedEnospcReachesTheWritersFuture) {
+  IoOptions options;
+  options.faults = {parse_fault("write:2:enospc")};
+  auto engine = this->make(options);
+  File file(this->dir_.file("enospc.bin"), File::Mode::Create, true);
+  PageBuffer buf(64 * KiB);
+  engine->run({IoOp::Write, &file, 0, buf.size(), buf.data()});
+  auto second = engine->submit({IoOp::Write, &file, buf.size(), buf.size(), buf.data()});
+  try {
+    second.get();
+    FAIL();
+  } catch (const IoError& e) {
+    EXPECT_EQ(e.error_number(), ENOSPC);
+    EXPECT_EQ(e.offset(), buf.size());
+  }
+  engine->run({IoOp::Write, &file, buf.size(), buf.size(), buf.data()});  // serving goes on
+}
+
+TYPED_TEST(IoEngineTest, RealEnospcOnAFullFilesystem) {
+  SmallTmpfs fs(1 * MiB);
+  if (!fs.mounted()) GTEST_SKIP() << fs.why_not() << "; ENOSPC is covered by the injected test";
+  auto engine = this->make();
+  File file(fs.path() + "/full.bin", File::Mode::Create, true);
+  PageBuffer data(2 * MiB);
+  try {
+    engine->run({IoOp::Write, &file, 0, data.size(), data.data()});
+    FAIL() << "wrote 2 MiB into a 1 MiB filesystem";
+  } catch (const IoError& e) {
+    EXPECT_EQ(e.error_number(), ENOSPC) << e.what();
+    EXPECT_EQ(e.path(), file.path());
+  }
+}
+
+TYPED_TEST(IoEngineTest, ReadingPastTheEndOfTheFileIsAnError) {
+  auto engine = this->make();
+  File file(this->dir_.file("short-file.bin"), File::Mode::Create, true);
+  PageBuffer buf(16 * KiB);
+  engine->run({IoOp::Write, &file, 0, 8 * KiB, buf.data()});
+  EXPECT_THROW(engine->run({IoOp::Read, &file, 0, 16 * KiB, buf.data()}), IoError);
+}
+
+TYPED_TEST(IoEngineTest, MisalignedODirectRequestsAreRejectedUpFront) {
+  auto engine = this->make();
+  File file(this->dir_.file("align.bin"), File::Mode::Create, true);
+  PageBuffer buf(16 * KiB);
+  EXPECT_THROW(engine->submit({IoOp::Write, &file, 100, 4 * KiB, buf.data()}), Error);
+  EXPECT_THROW(engine->submit({IoOp::Write, &file, 0, 100, buf.data()}), Error);
+  EXPECT_THROW(engine->submit({IoOp::Write, &file, 0, 4 * KiB, buf.data() + 1}), Error);
+  EXPECT_EQ(engine->stats().requests, 0u);
+}
+
+TYPED_TEST(IoEngineTest, RegisteredBuffersAndFilesCarryData) {
+  IoOptions options;
+  options.block_size = 128 * KiB;
+  auto engine = this->make(options);
+  File file(this->dir_.file("fixed.bin"), File::Mode::Create, true);
+  PageBuffer slab(2 * MiB, /*lock=*/true);
+  engine->register_buffer(slab.data(), slab.size());
+  engine->register_file(file);
+  fill_pattern(slab.data(), 1 * MiB, 11);
+  engine->run({IoOp::Write, &file, 0, 1 * MiB, slab.data()});
+  engine->run({IoOp::Read, &file, 0, 1 * MiB, slab.data() + 1 * MiB});
+  EXPECT_EQ(std::memcmp(slab.data(), slab.data() + 1 * MiB, 1 * MiB), 0);
+  engine->unregister_file(file);
+  engine->unregister_buffer(slab.data());
+  engine->run({IoOp::Read, &file, 0, 1 * MiB, slab.data() + 1 * MiB});  // plain ops again
+  EXPECT_EQ(std::memcmp(slab.data(), slab.data() + 1 * MiB, 1 * MiB), 0);
+  if (TypeParam::kind == EngineKind::Uring) {
+    EXPECT_NE(engine->describe().find("fixed buffers on"), std::string::npos) << engine->describe();
+  }
+}
+
+TEST(IoEngine, AFilesystemWithoutODirectFallsBackToBufferedIo) {
+  // tmpfs takes O_DIRECT since Linux 6.6; ramfs still refuses it.
+  SmallTmpfs ramfs(0);
+  if (!ramfs.mounted()) GTEST_SKIP() << ramfs.why_not();
+  File file(ramfs.path() + "/x.bin", File::Mode::Create, true);
+  EXPECT_FALSE(file.direct());
+  IoOptions options;
+  options.quiet = true;
+  auto engine = make_io_engine(options);
+  auto out = pattern(10000, 1);
+  std::vector<unsigned char> in(10000);
+  engine->run({IoOp::Write, &file, 1, out.size(), out.data()});
+  engine->run({IoOp::Read, &file, 1, in.size(), in.data()});
+  EXPECT_EQ(in, out);
+}
+
+TEST(IoEngine, OpeningAMissingFileNamesIt) {
+  try {
+    File f("/nonexistent-dir/file.bin", File::Mode::Read, true);
+    FAIL();
+  } catch (const IoError& e) {
+    EXPECT_EQ(e.error_number(), ENOENT);
+    EXPECT_NE(std::string(e.what()).find("/nonexistent-dir/file.bin"), std::string::npos);
+  }
+}
+
+TEST(IoOptions, RejectBadValuesNamingTheKey) {
+  IoOptions o;
+  o.block_size = 1000;
+  EXPECT_THROW(o.validate(), Error);
+  o = {};
+  o.queue_depth = 0;
+  try {
+    o.validate();
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("io.queue_depth"), std::string::npos);
+  }
+  EXPECT_THROW(parse_fault("read:0:eio"), Error);
+  EXPECT_THROW(parse_fault("seek:1:eio"), Error);
+  EXPECT_THROW(parse_engine_kind("aio"), Error);
+  const FaultSpec f = parse_fault("write:12:short");
+  EXPECT_EQ(f.op, FaultSpec::Op::Write);
+  EXPECT_EQ(f.nth, 12u);
+  EXPECT_EQ(f.kind, FaultSpec::Kind::Short);
+}
+
+TEST(IoEngine, AutoPicksUringWhereTheKernelHasIt) {
+  IoOptions options;
+  options.quiet = true;
+  auto engine = make_io_engine(options);
+  EXPECT_TRUE(engine->kind() == EngineKind::Uring || engine->kind() == EngineKind::Posix);
+  EXPECT_FALSE(engine->describe().empty());
+}
+
+}  // namespace
+}  // namespace strata::testing
