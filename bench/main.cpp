@@ -9,6 +9,7 @@
 namespace strata::bench {
 void register_alloc(CLI::App& app);
 void register_copy(CLI::App& app);
+void register_io(CLI::App& app);
 }  // namespace strata::bench
 
 int main(int argc, char** argv) {
@@ -16,6 +17,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   strata::bench::register_alloc(app);
   strata::bench::register_copy(app);
+  strata::bench::register_io(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -71,6 +71,9 @@ void IoOptions::validate() const {
   STRATA_EXPECTS(queue_depth >= 1 && queue_depth <= 4096, "io.queue_depth: ", queue_depth,
                  " is outside 1..4096");
   STRATA_EXPECTS(threads >= 1 && threads <= 256, "io.threads: ", threads, " is outside 1..256");
+  STRATA_EXPECTS(faults.empty() || fault_injection_available(),
+                 "io.faults: this strata was built without fault injection "
+                 "(-DSTRATA_FAULT_INJECTION=OFF)");
 }
 
 IoEngine::IoEngine(EngineKind kind, IoOptions options)
@@ -115,7 +118,19 @@ std::future<void> IoEngine::submit(const IoRequest& request) {
   return future;
 }
 
+bool fault_injection_available() noexcept {
+#ifdef STRATA_NO_FAULT_INJECTION
+  return false;
+#else
+  return true;
+#endif
+}
+
 std::int64_t IoEngine::inject(IoOp op, std::int64_t result, std::size_t bytes) noexcept {
+#ifdef STRATA_NO_FAULT_INJECTION
+  (void)op, (void)bytes;
+  return result;
+#endif
   if (options_.faults.empty()) return result;
   const std::uint64_t n = (op == IoOp::Read ? reads_seen_ : writes_seen_).fetch_add(1) + 1;
   const auto want = op == IoOp::Read ? FaultSpec::Op::Read : FaultSpec::Op::Write;

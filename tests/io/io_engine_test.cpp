@@ -120,6 +120,7 @@ TYPED_TEST(IoEngineTest, ServesManyConcurrentRequestsFromSeveralThreads) {
 }
 
 TYPED_TEST(IoEngineTest, InjectedEioFailsThatRequestOnlyAndLosesNothing) {
+  if (!fault_injection_available()) GTEST_SKIP() << "built without fault injection";
   IoOptions options;
   options.block_size = 64 * KiB;
   options.faults = {parse_fault("read:3:eio")};
@@ -153,6 +154,7 @@ TYPED_TEST(IoEngineTest, InjectedEioFailsThatRequestOnlyAndLosesNothing) {
 }
 
 TYPED_TEST(IoEngineTest, ShortTransfersAreResubmittedForTheRemainder) {
+  if (!fault_injection_available()) GTEST_SKIP() << "built without fault injection";
   IoOptions options;
   options.block_size = 1 * MiB;
   options.faults = {parse_fault("write:1:short"), parse_fault("read:1:short"),
@@ -169,6 +171,7 @@ TYPED_TEST(IoEngineTest, ShortTransfersAreResubmittedForTheRemainder) {
 }
 
 TYPED_TEST(IoEngineTest, InjectedEnospcReachesTheWritersFuture) {
+  if (!fault_injection_available()) GTEST_SKIP() << "built without fault injection";
   IoOptions options;
   options.faults = {parse_fault("write:2:enospc")};
   auto engine = this->make(options);
@@ -293,6 +296,29 @@ TEST(IoEngine, AutoPicksUringWhereTheKernelHasIt) {
   auto engine = make_io_engine(options);
   EXPECT_TRUE(engine->kind() == EngineKind::Uring || engine->kind() == EngineKind::Posix);
   EXPECT_FALSE(engine->describe().empty());
+}
+
+}  // namespace
+}  // namespace strata::testing
+
+namespace strata::testing {
+namespace {
+
+TEST(UringEngine, RunsWithAKernelSubmissionThread) {
+  IoOptions options;
+  options.engine = EngineKind::Uring;
+  options.sqpoll = true;
+  options.quiet = true;
+  auto engine = make_io_engine(options);
+  TempDir dir;
+  File file(dir.file("sqpoll.bin"), File::Mode::Create, true);
+  PageBuffer out(2 * MiB), in(2 * MiB);
+  fill_pattern(out.data(), out.size(), 4);
+  engine->run({IoOp::Write, &file, 0, out.size(), out.data()});
+  engine->run({IoOp::Read, &file, 0, in.size(), in.data()});
+  EXPECT_EQ(std::memcmp(out.data(), in.data(), out.size()), 0);
+  // Where the kernel refuses SQPOLL the flag is dropped, not fatal; describe() says which.
+  EXPECT_NE(engine->describe().find("io_uring"), std::string::npos);
 }
 
 }  // namespace

@@ -124,6 +124,7 @@ TEST_P(SwapSpaceTest, AFlippedByteIsDetectedByTheChecksum) {
 }
 
 TEST_P(SwapSpaceTest, AFailedWriteReportsAndMarksTheExtentTorn) {
+  if (!fault_injection_available()) GTEST_SKIP() << "built without fault injection";
   auto io = engine({parse_fault("write:9:eio")});  // the first write is 8 stripe pieces
   SwapSpace swap(options({a_.path()}), *io);
   auto v1 = pattern(512 * KiB, 1), v2 = pattern(512 * KiB, 2);

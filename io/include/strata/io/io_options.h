@@ -25,6 +25,8 @@ struct FaultSpec {
   std::uint64_t nth = 1;
   Kind kind = Kind::Eio;
 };
+/// False when the build compiled fault injection out (-DSTRATA_FAULT_INJECTION=OFF).
+bool fault_injection_available() noexcept;
 /// Parses "read:3:eio", "write:10:enospc", "read:1:short".
 FaultSpec parse_fault(std::string_view text, std::string_view key = "io.faults");
 

@@ -1,0 +1,228 @@
+// strata-bench io: sequential or random reads or writes through strata's I/O engines, measured
+// the way fio measures (same block size, queue depth and size), so the two can be compared.
+#include <unistd.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstdio>
+#include <filesystem>
+#include <mutex>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include "bench_common.h"
+#include "strata/io/error.h"
+#include "strata/io/io_engine.h"
+#include "strata/io/pages.h"
+#include "strata/io/units.h"
+
+namespace strata::bench {
+namespace {
+
+struct Args {
+  std::string rw = "read";
+  std::string bs = "1MiB";
+  unsigned qd = 16;
+  std::string size = "1GiB";
+  std::string paths;
+  std::string engine = "uring";
+  int direct = 1;
+  unsigned threads = 4;
+  bool cleanup = false;
+  bool json = false;
+};
+
+std::vector<std::string> split_paths(const std::string& text) {
+  std::vector<std::string> out;
+  std::stringstream in(text);
+  for (std::string item; std::getline(in, item, ',');)
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
+
+// Keeps up to `window` requests at the engine; the engine keeps qd of them in the kernel, so a
+// completed slot is refilled by the engine thread at once, with no round trip through here.
+class Window {
+ public:
+  explicit Window(std::size_t slots) {
+    free_.resize(slots);
+    std::iota(free_.begin(), free_.end(), 0);
+  }
+  std::size_t acquire() {
+    std::unique_lock lock(mutex_);
+    ready_.wait(lock, [this] { return !free_.empty(); });
+    const std::size_t slot = free_.back();
+    free_.pop_back();
+    return slot;
+  }
+  void release(std::size_t slot, std::exception_ptr error) {
+    {
+      std::lock_guard lock(mutex_);
+      free_.push_back(slot);
+      if (error && !error_) error_ = error;
+    }
+    ready_.notify_one();
+  }
+  void drain(std::size_t slots) {
+    std::unique_lock lock(mutex_);
+    ready_.wait(lock, [&] { return free_.size() == slots; });
+    if (error_) std::rethrow_exception(error_);
+  }
+  bool failed() {
+    std::lock_guard lock(mutex_);
+    return error_ != nullptr;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable ready_;
+  std::vector<std::size_t> free_;
+  std::exception_ptr error_;
+};
+
+void run(const Args& args) {
+  const bool is_read = args.rw == "read" || args.rw == "randread";
+  const bool is_random = args.rw == "randread" || args.rw == "randwrite";
+  if (!is_read && args.rw != "write" && args.rw != "randwrite")
+    STRATA_FAIL(Errc::invalid_argument, "--rw: \"", args.rw,
+                "\" is not read, write, randread or randwrite");
+  const std::size_t bs = parse_bytes(args.bs, "--bs");
+  const std::uint64_t size = parse_bytes(args.size, "--size");
+  std::vector<std::string> dirs = split_paths(args.paths);
+  if (dirs.empty()) STRATA_FAIL(Errc::invalid_argument, "--path: give one or more directories");
+  for (const auto& d : dirs)
+    if (!std::filesystem::is_directory(d))
+      STRATA_FAIL(Errc::invalid_argument, "--path: \"", d, "\" is not a directory");
+  STRATA_EXPECTS(size >= bs * dirs.size(), "--size: ", size, " bytes is less than one block (", bs,
+                 " bytes) per path");
+
+  IoOptions options;
+  options.engine = parse_engine_kind(args.engine, "--engine");
+  options.block_size = bs;
+  options.queue_depth = args.qd;
+  options.threads = args.threads;
+  options.direct = args.direct != 0;
+  options.quiet = true;
+  auto engine = make_io_engine(options);
+
+  // One file per directory; block i lives in file i % P at offset (i / P) * bs (striping).
+  const std::uint64_t blocks = size / bs;
+  const std::uint64_t per_file = (blocks + dirs.size() - 1) / dirs.size() * bs;
+  std::vector<File> files;
+  std::vector<std::string> names;
+  for (std::size_t i = 0; i < dirs.size(); ++i) {
+    names.push_back(dirs[i] + "/strata-bench-io-" + std::to_string(i) + ".dat");
+    // Like fio, reuse a file left by an earlier run rather than truncating it: overwriting
+    // written blocks avoids ext4's unwritten-extent conversion on every first write.
+    const bool exists = std::filesystem::exists(names.back());
+    files.emplace_back(names.back(), exists ? File::Mode::ReadWrite : File::Mode::Create,
+                       options.direct);
+    files.back().allocate(per_file);
+    engine->register_file(files.back());
+  }
+
+  const std::size_t slots = 2 * args.qd;
+  PageBuffer slab(slots * bs, /*lock=*/true, "Host (bench buffers)");
+  for (std::size_t i = 0; i < slab.size(); i += 4096)
+    slab.data()[i] = std::byte(i >> 12);
+  engine->register_buffer(slab.data(), slab.size());
+
+  std::vector<std::uint64_t> order(blocks);
+  std::iota(order.begin(), order.end(), 0);
+  if (is_random) std::shuffle(order.begin(), order.end(), std::mt19937_64(1));
+
+  auto pass = [&](IoOp op, const std::vector<std::uint64_t>& blocks_in_order, bool progress) {
+    Window window(slots);
+    const auto start = Clock::now();
+    auto last_report = start;
+    std::uint64_t done = 0;
+    for (std::uint64_t block : blocks_in_order) {
+      const std::size_t slot = window.acquire();
+      if (window.failed()) {
+        window.release(slot, nullptr);
+        break;
+      }
+      const IoRequest r{op, &files[block % files.size()], block / files.size() * bs, bs,
+                        slab.data() + slot * bs};
+      engine->submit(r, [&window, slot](std::exception_ptr e) { window.release(slot, e); });
+      done += bs;
+      if (progress && Clock::now() - last_report > std::chrono::milliseconds(500)) {
+        last_report = Clock::now();
+        const double s = seconds_since(start);
+        std::fprintf(stderr, "\r  %s / %s  %.0f MB/s   ", format_bytes(done).c_str(),
+                     format_bytes(blocks * bs).c_str(), static_cast<double>(done) / s / 1e6);
+      }
+    }
+    window.drain(slots);
+    if (progress) std::fprintf(stderr, "\r%60s\r", "");
+    return seconds_since(start);
+  };
+
+  const bool progress = !args.json && stderr_is_terminal();
+  if (is_read) {  // lay the data out first, as fio does
+    std::vector<std::uint64_t> seq(blocks);
+    std::iota(seq.begin(), seq.end(), 0);
+    if (progress) std::fprintf(stderr, "  preparing %s...\n", format_bytes(blocks * bs).c_str());
+    pass(IoOp::Write, seq, progress);
+  }
+  const double seconds = pass(is_read ? IoOp::Read : IoOp::Write, order, progress);
+  const std::uint64_t bytes = blocks * bs;
+
+  engine->unregister_buffer(slab.data());
+  for (File& f : files)
+    engine->unregister_file(f);
+  files.clear();
+  if (args.cleanup)
+    for (const auto& n : names)
+      std::filesystem::remove(n);
+
+  const nlohmann::json out{{"bench", "io"},
+                           {"engine", std::string(to_string(engine->kind()))},
+                           {"engine_detail", engine->describe()},
+                           {"rw", args.rw},
+                           {"bs", bs},
+                           {"qd", args.qd},
+                           {"threads", engine->kind() == EngineKind::Posix ? args.threads : 1},
+                           {"paths", dirs},
+                           {"direct", options.direct},
+                           {"bytes", bytes},
+                           {"seconds", seconds},
+                           {"mb_per_s", static_cast<double>(bytes) / seconds / 1e6},
+                           {"iops", static_cast<double>(blocks) / seconds}};
+  if (args.json) {
+    print_json(out);
+  } else {
+    std::printf("io %s: %s in %.2f s = %.1f MB/s, %.0f IOPS (bs %s, qd %u, %zu path%s, %s)\n",
+                args.rw.c_str(), format_bytes(bytes).c_str(), seconds,
+                static_cast<double>(bytes) / seconds / 1e6, static_cast<double>(blocks) / seconds,
+                format_bytes(bs).c_str(), args.qd, dirs.size(), dirs.size() == 1 ? "" : "s",
+                engine->describe().c_str());
+  }
+}
+
+}  // namespace
+
+void register_io(CLI::App& app) {
+  auto* cmd = app.add_subcommand("io", "NVMe read/write bandwidth through strata's I/O engines");
+  auto args = std::make_shared<Args>();
+  cmd->add_option("--rw", args->rw, "read | write | randread | randwrite");
+  cmd->add_option("--bs", args->bs, "block size (units allowed, multiple of 4 KiB)");
+  cmd->add_option("--qd", args->qd, "operations in flight")->check(CLI::Range(1, 4096));
+  cmd->add_option("--size", args->size, "bytes to transfer (units allowed)");
+  cmd->add_option("--path", args->paths, "directory, or comma-separated directories to stripe")
+      ->required();
+  cmd->add_option("--engine", args->engine, "uring | posix | auto");
+  cmd->add_option("--direct", args->direct, "1 = O_DIRECT, 0 = buffered")->check(CLI::Range(0, 1));
+  cmd->add_option("--threads", args->threads, "POSIX engine threads")->check(CLI::Range(1, 256));
+  cmd->add_flag("--cleanup", args->cleanup,
+                "remove the data files at the end (by default they stay for the next run, as "
+                "fio's do)");
+  cmd->add_flag("--json", args->json, "print one JSON object");
+  cmd->callback([args] { run(*args); });
+}
+
+}  // namespace strata::bench
