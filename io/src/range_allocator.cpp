@@ -80,6 +80,28 @@ std::optional<std::uint64_t> RangeAllocator::try_allocate(std::uint64_t bytes,
   return std::nullopt;
 }
 
+bool RangeAllocator::allocate_at(std::uint64_t offset, std::uint64_t bytes) {
+  STRATA_EXPECTS(bytes > 0, name_, ": cannot allocate 0 bytes");
+  STRATA_EXPECTS(offset % granularity_ == 0, name_, ": offset ", offset,
+                 " is not a multiple of the granularity ", granularity_);
+  const std::uint64_t size = align_up(bytes, granularity_);
+  auto it = free_by_offset_.upper_bound(offset);
+  if (it == free_by_offset_.begin()) return false;
+  --it;
+  const auto [block_offset, block_bytes] = *it;
+  if (offset + size > block_offset + block_bytes) return false;
+  erase_free(it);
+  if (offset > block_offset) insert_free(block_offset, offset - block_offset);
+  if (block_offset + block_bytes > offset + size)
+    insert_free(offset + size, block_offset + block_bytes - offset - size);
+  live_.emplace(offset, size);
+  stats_.current_bytes += size;
+  stats_.peak_bytes = std::max(stats_.peak_bytes, stats_.current_bytes);
+  stats_.peak_reserved_bytes = std::max(stats_.peak_reserved_bytes, offset + size);
+  ++stats_.allocations;
+  return true;
+}
+
 std::uint64_t RangeAllocator::allocate(std::uint64_t bytes, std::uint64_t alignment) {
   if (auto offset = try_allocate(bytes, alignment)) return *offset;
   const std::uint64_t free = capacity_ - stats_.current_bytes;

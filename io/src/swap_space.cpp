@@ -55,9 +55,10 @@ struct SwapSpace::Transfer {
   std::size_t copy_to_user = 0;  // reads: bytes to copy from staging to user + copy_at
   std::size_t copy_at = 0;
   std::size_t copy_from = 0;             // offset in staging
-  std::vector<std::uint64_t> crc_bytes;  // writes: new checksum state; reads: what to verify
+  std::vector<std::uint64_t> crc_bytes;  // reads: the extent's checksum state at the start
   std::vector<std::uint32_t> crcs;
-  std::vector<Piece> verify;  // reads: stripe pieces checked against the stored crcs
+  std::vector<Piece> pieces;            // the stripe pieces of the transfer
+  std::vector<std::uint32_t> new_crcs;  // writes: per piece
   struct Op {
     const File* file;
     std::uint64_t offset;
@@ -129,7 +130,10 @@ ExtentId SwapSpace::allocate(std::uint64_t bytes) {
   auto e = std::make_shared<Extent>();
   e->bytes = bytes;
   std::lock_guard lock(mutex_);
-  e->logical = space_.allocate(bytes, kPageBytes);
+  e->logical = space_.allocate(bytes, options_.stripe_bytes);
+  const std::size_t units = (bytes + options_.stripe_bytes - 1) / options_.stripe_bytes;
+  e->crc_bytes.assign(units, 0);
+  e->crcs.assign(units, 0);
   const ExtentId id = next_id_++;
   extents_.emplace(id, std::move(e));
   return id;
@@ -183,17 +187,20 @@ RangeStats SwapSpace::stats() const {
   return space_.stats();
 }
 
-// Stripe pieces of the first `bytes` of a swap extent: logical offset L lives in stripe
-// s = L / S, on path s % P, at file offset (s / P) * S + L % S.
-std::vector<SwapSpace::Piece> SwapSpace::layout(const Extent& e, std::uint64_t bytes) const {
+// Stripe pieces of [from, from + bytes) of a swap extent: logical offset L lives in stripe
+// s = L / S, on path s % P, at file offset (s / P) * S + L % S. Extents start on stripe
+// boundaries, so stripe unit k of an extent is its bytes [k * S, (k + 1) * S).
+std::vector<SwapSpace::Piece> SwapSpace::layout(const Extent& e, std::uint64_t from,
+                                                std::uint64_t bytes) const {
   std::vector<Piece> out;
   const std::uint64_t S = options_.stripe_bytes, P = files_.size();
   std::uint64_t at = 0;
   while (at < bytes) {
-    const std::uint64_t logical = e.logical + at;
+    const std::uint64_t logical = e.logical + from + at;
     const std::uint64_t stripe = logical / S, within = logical % S;
     const std::uint64_t len = std::min(S - within, bytes - at);
-    out.push_back({&files_[stripe % P], (stripe / P) * S + within, len, at});
+    out.push_back(
+        {&files_[stripe % P], (stripe / P) * S + within, len, at, (from + at) / S, within == 0});
     at += len;
   }
   return out;
@@ -203,17 +210,50 @@ std::vector<ExtentPiece> SwapSpace::pieces(ExtentId id) const {
   const auto e = find(id);
   if (e->mapped) return {{e->mapped->buffered.path(), e->file_offset, e->bytes}};
   std::vector<ExtentPiece> out;
-  for (const Piece& p : layout(*e, e->bytes))
+  for (const Piece& p : layout(*e, 0, e->bytes))
     out.push_back({p.file->path(), p.offset, p.bytes});
   return out;
 }
 
-void SwapSpace::write(ExtentId id, const void* data, std::size_t bytes, IoCallback done) {
+// Note [Staging for unaligned transfers]: O_DIRECT needs page-aligned buffers, offsets and
+// lengths. An aligned buffer goes to the engine as it is for its whole pages; the last partial
+// page, or all of an unaligned buffer, goes through page-aligned staging (zero-padded on
+// writes; copied out on reads). Swap offsets are page multiples, so file offsets always are.
+void SwapSpace::add_ops(Transfer& t, const Extent& e, std::uint64_t offset, std::size_t bytes) {
+  const bool aligned = reinterpret_cast<std::uintptr_t>(t.user) % kPageBytes == 0;
+  const std::size_t direct_bytes = aligned ? bytes / kPageBytes * kPageBytes : 0;
+  const std::size_t padded = align_up(bytes, kPageBytes);
+  if (padded > direct_bytes) {
+    t.staging = PageBuffer(padded - direct_bytes, false, "Host (staging)");
+    if (t.op == IoOp::Write) {
+      std::memcpy(t.staging.data(), t.user + direct_bytes, bytes - direct_bytes);
+    } else {
+      t.copy_from = 0;
+      t.copy_at = direct_bytes;
+      t.copy_to_user = bytes - direct_bytes;
+    }
+  }
+  for (const Piece& p : layout(e, offset, padded)) {
+    std::uint64_t at = p.at, file_offset = p.offset, len = p.bytes;
+    if (at < direct_bytes) {  // the part in the user's buffer
+      const std::uint64_t head = std::min<std::uint64_t>(len, direct_bytes - at);
+      t.ops.push_back({p.file, file_offset, head, t.user + at});
+      at += head, file_offset += head, len -= head;
+    }
+    if (len > 0)
+      t.ops.push_back({p.file, file_offset, len, t.staging.data() + (at - direct_bytes)});
+  }
+}
+
+void SwapSpace::write(ExtentId id, std::uint64_t offset, const void* data, std::size_t bytes,
+                      IoCallback done) {
   auto e = find(id);
   STRATA_EXPECTS(!e->mapped, "extent ", id, " is a read-only mapping of ",
                  e->mapped ? e->mapped->buffered.path() : "", "; it is never written");
-  STRATA_EXPECTS(bytes <= e->bytes, "write of ", bytes, " bytes into extent ", id, " of ", e->bytes,
-                 " bytes");
+  STRATA_EXPECTS(offset % kPageBytes == 0, "write at offset ", offset, " of extent ", id,
+                 ": swap offsets are multiples of 4 KiB");
+  STRATA_EXPECTS(offset + bytes <= e->bytes, "write of ", bytes, " bytes at offset ", offset,
+                 " into extent ", id, " of ", e->bytes, " bytes");
   STRATA_EXPECTS(bytes == 0 || data != nullptr, "write of ", bytes, " bytes from null");
   auto t = std::make_shared<Transfer>();
   t->op = IoOp::Write;
@@ -221,41 +261,19 @@ void SwapSpace::write(ExtentId id, const void* data, std::size_t bytes, IoCallba
   t->user = const_cast<std::byte*>(static_cast<const std::byte*>(data));
   t->bytes = bytes;
   t->done = std::move(done);
-
-  const std::vector<Piece> stripes = layout(*e, bytes);
-  if (options_.checksums) {
-    for (const Piece& p : stripes) {
-      t->crc_bytes.push_back(p.bytes);
-      t->crcs.push_back(crc32c(t->user + p.at, p.bytes));
-    }
-  }
-  // Note [Staging for unaligned transfers]: O_DIRECT needs page-aligned buffers, offsets and
-  // lengths. An aligned buffer goes to the engine as it is for its whole pages; the last partial
-  // page, or all of an unaligned buffer, goes through page-aligned staging (zero-padded on
-  // writes; copied out on reads). Swap extents start on page boundaries, so offsets always are.
-  const bool aligned = reinterpret_cast<std::uintptr_t>(data) % kPageBytes == 0;
-  const std::size_t direct_bytes = aligned ? bytes / kPageBytes * kPageBytes : 0;
-  const std::size_t padded = align_up(bytes, kPageBytes);
-  if (padded > direct_bytes) {
-    t->staging = PageBuffer(padded - direct_bytes, false, "Host (staging)");
-    std::memcpy(t->staging.data(), t->user + direct_bytes, bytes - direct_bytes);
-  }
-  for (const Piece& p : layout(*e, padded)) {
-    std::uint64_t at = p.at, offset = p.offset, len = p.bytes;
-    if (at < direct_bytes) {  // the part from the user's buffer
-      const std::uint64_t head = std::min<std::uint64_t>(len, direct_bytes - at);
-      t->ops.push_back({p.file, offset, head, t->user + at});
-      at += head, offset += head, len -= head;
-    }
-    if (len > 0) t->ops.push_back({p.file, offset, len, t->staging.data() + (at - direct_bytes)});
-  }
+  t->pieces = layout(*e, offset, bytes);
+  if (options_.checksums)
+    for (const Piece& p : t->pieces)
+      t->new_crcs.push_back(crc32c(t->user + p.at, p.bytes));
+  add_ops(*t, *e, offset, bytes);
   start(std::move(t));
 }
 
-void SwapSpace::read(ExtentId id, void* data, std::size_t bytes, IoCallback done) {
+void SwapSpace::read(ExtentId id, std::uint64_t offset, void* data, std::size_t bytes,
+                     IoCallback done) {
   auto e = find(id);
-  STRATA_EXPECTS(bytes <= e->bytes, "read of ", bytes, " bytes from extent ", id, " of ", e->bytes,
-                 " bytes");
+  STRATA_EXPECTS(offset + bytes <= e->bytes, "read of ", bytes, " bytes at offset ", offset,
+                 " from extent ", id, " of ", e->bytes, " bytes");
   STRATA_EXPECTS(bytes == 0 || data != nullptr, "read of ", bytes, " bytes into null");
   auto t = std::make_shared<Transfer>();
   t->op = IoOp::Read;
@@ -269,7 +287,7 @@ void SwapSpace::read(ExtentId id, void* data, std::size_t bytes, IoCallback done
     // Read [A, full_end) with O_DIRECT (A = the page below the offset; full_end never past the
     // file's last whole page), and the rest — at most the file's last partial page — buffered.
     const MappedFile& m = *e->mapped;
-    const std::uint64_t off = e->file_offset, end = off + bytes;
+    const std::uint64_t off = e->file_offset + offset, end = off + bytes;
     const std::uint64_t A = off / kPageBytes * kPageBytes;
     std::uint64_t full_end =
         m.direct.direct() ? std::min(align_up(end, kPageBytes), m.size / kPageBytes * kPageBytes)
@@ -293,35 +311,23 @@ void SwapSpace::read(ExtentId id, void* data, std::size_t bytes, IoCallback done
     return;
   }
 
+  STRATA_EXPECTS(offset % kPageBytes == 0, "read at offset ", offset, " of extent ", id,
+                 ": swap offsets are multiples of 4 KiB");
   {
     std::lock_guard lock(e->mutex);
     if (e->torn) {
-      const auto where = layout(*e, std::max<std::uint64_t>(bytes, 1)).front();
+      const auto where = layout(*e, offset, std::max<std::uint64_t>(bytes, 1)).front();
       throw IoError(Errc::corrupt_data, where.file->path(), where.offset, bytes, 0,
                     detail::concat("read of torn extent ", id,
                                    " (its last write failed, so its bytes are not valid)"));
     }
-    t->crc_bytes = e->crc_bytes;
-    t->crcs = e->crcs;
-  }
-  if (options_.checksums) t->verify = layout(*e, bytes);
-  const std::size_t direct_bytes = aligned ? bytes / kPageBytes * kPageBytes : 0;
-  const std::size_t padded = align_up(bytes, kPageBytes);
-  if (padded > direct_bytes) {
-    t->staging = PageBuffer(padded - direct_bytes, false, "Host (staging)");
-    t->copy_from = 0;
-    t->copy_at = direct_bytes;
-    t->copy_to_user = bytes - direct_bytes;
-  }
-  for (const Piece& p : layout(*e, padded)) {
-    std::uint64_t at = p.at, offset = p.offset, len = p.bytes;
-    if (at < direct_bytes) {
-      const std::uint64_t head = std::min<std::uint64_t>(len, direct_bytes - at);
-      t->ops.push_back({p.file, offset, head, t->user + at});
-      at += head, offset += head, len -= head;
+    if (options_.checksums) {
+      t->crc_bytes = e->crc_bytes;
+      t->crcs = e->crcs;
     }
-    if (len > 0) t->ops.push_back({p.file, offset, len, t->staging.data() + (at - direct_bytes)});
   }
+  if (options_.checksums) t->pieces = layout(*e, offset, bytes);
+  add_ops(*t, *e, offset, bytes);
   start(std::move(t));
 }
 
@@ -332,23 +338,23 @@ void SwapSpace::start(std::shared_ptr<Transfer> t) {
     Extent& e = *tr.extent;
     if (tr.op == IoOp::Write) {
       std::lock_guard lock(e.mutex);
-      if (error) {
-        e.torn = true;
-      } else {
-        e.torn = false;
-        e.crc_bytes = std::move(tr.crc_bytes);
-        e.crcs = std::move(tr.crcs);
+      e.torn = error != nullptr;
+      for (std::size_t k = 0; k < tr.pieces.size(); ++k) {
+        const Piece& p = tr.pieces[k];
+        // A piece written from its unit's start is verifiable; anything else is not.
+        const bool ok = !error && !tr.new_crcs.empty() && p.whole_start;
+        e.crc_bytes[p.index] = ok ? p.bytes : 0;
+        e.crcs[p.index] = ok ? tr.new_crcs[k] : 0;
       }
     } else if (!error) {
       if (tr.copy_to_user > 0)
         std::memcpy(tr.user + tr.copy_at, tr.staging.data() + tr.copy_from, tr.copy_to_user);
-      for (std::size_t k = 0; k < tr.verify.size() && !error; ++k) {
-        const Piece& p = tr.verify[k];
-        if (k >= tr.crcs.size() || tr.crc_bytes[k] != p.bytes) continue;  // not written so
+      for (const Piece& p : tr.pieces) {
+        if (!p.whole_start || tr.crc_bytes[p.index] != p.bytes) continue;  // not written so
         const std::uint32_t got = crc32c(tr.user + p.at, p.bytes);
-        if (got != tr.crcs[k]) {
+        if (got != tr.crcs[p.index]) {
           char expected_hex[16], got_hex[16];
-          std::snprintf(expected_hex, sizeof expected_hex, "%08x", tr.crcs[k]);
+          std::snprintf(expected_hex, sizeof expected_hex, "%08x", tr.crcs[p.index]);
           std::snprintf(got_hex, sizeof got_hex, "%08x", got);
           error = std::make_exception_ptr(
               IoError(Errc::corrupt_data, p.file->path(), p.offset, p.bytes, 0,
@@ -390,10 +396,11 @@ void SwapSpace::start(std::shared_ptr<Transfer> t) {
   }
 }
 
-std::future<void> SwapSpace::write(ExtentId id, const void* data, std::size_t bytes) {
+std::future<void> SwapSpace::write(ExtentId id, const void* data, std::size_t bytes,
+                                   std::uint64_t offset) {
   auto promise = std::make_shared<std::promise<void>>();
   auto future = promise->get_future();
-  write(id, data, bytes, [promise](std::exception_ptr error) {
+  write(id, offset, data, bytes, [promise](std::exception_ptr error) {
     if (error)
       promise->set_exception(error);
     else
@@ -402,10 +409,11 @@ std::future<void> SwapSpace::write(ExtentId id, const void* data, std::size_t by
   return future;
 }
 
-std::future<void> SwapSpace::read(ExtentId id, void* data, std::size_t bytes) {
+std::future<void> SwapSpace::read(ExtentId id, void* data, std::size_t bytes,
+                                  std::uint64_t offset) {
   auto promise = std::make_shared<std::promise<void>>();
   auto future = promise->get_future();
-  read(id, data, bytes, [promise](std::exception_ptr error) {
+  read(id, offset, data, bytes, [promise](std::exception_ptr error) {
     if (error)
       promise->set_exception(error);
     else

@@ -33,6 +33,21 @@ void MemoryPool::deallocate(void* ptr) {
   ranges_.deallocate(static_cast<std::uint64_t>(static_cast<std::byte*>(ptr) - base_));
 }
 
+bool MemoryPool::allocate_at(void* ptr, std::size_t bytes) {
+  STRATA_EXPECTS(contains(ptr), ranges_.name(), ": allocate_at outside the pool");
+  std::lock_guard lock(mutex_);
+  return ranges_.allocate_at(static_cast<std::uint64_t>(static_cast<std::byte*>(ptr) - base_),
+                             bytes);
+}
+
+std::vector<std::pair<std::byte*, std::size_t>> MemoryPool::free_blocks() const {
+  std::lock_guard lock(mutex_);
+  std::vector<std::pair<std::byte*, std::size_t>> out;
+  for (const auto& [offset, bytes] : ranges_.free_blocks())
+    out.emplace_back(base_ + offset, bytes);
+  return out;
+}
+
 bool MemoryPool::contains(const void* ptr) const noexcept {
   const auto* p = static_cast<const std::byte*>(ptr);
   return p >= base_ && p < base_ + capacity_;

@@ -118,6 +118,23 @@ TEST(RangeAllocator, TracksPeakAndReservedHighWater) {
   EXPECT_EQ(s.deallocations, 2u);
 }
 
+TEST(RangeAllocator, AllocateAtCarvesExactlyThatRange) {
+  RangeAllocator r("test", 64 * KiB, 256);
+  const auto a = r.allocate(4 * KiB);
+  const auto b = r.allocate(8 * KiB);
+  r.deallocate(a);
+  EXPECT_FALSE(r.allocate_at(0, 8 * KiB));  // the hole before b is only 4 KiB
+  r.deallocate(b);
+  // Compaction's move: b slides down to 0 over its old place.
+  EXPECT_TRUE(r.allocate_at(0, 8 * KiB));
+  EXPECT_EQ(r.block_size(0), 8 * KiB);
+  EXPECT_EQ(r.free_blocks(), (std::map<std::uint64_t, std::uint64_t>{{8 * KiB, 56 * KiB}}));
+  EXPECT_TRUE(r.allocate_at(32 * KiB, 1000));
+  EXPECT_EQ(r.free_blocks(), (std::map<std::uint64_t, std::uint64_t>{
+                                 {8 * KiB, 24 * KiB}, {32 * KiB + 1024, 32 * KiB - 1024}}));
+  EXPECT_FALSE(r.allocate_at(4 * KiB, 256));  // inside a live block
+}
+
 // Reference model: the live blocks in a map; free gaps derived from it; best fit computed the
 // slow, obvious way. The allocator must choose exactly the same offsets.
 class ReferenceModel {

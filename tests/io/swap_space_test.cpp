@@ -88,6 +88,25 @@ TEST_P(SwapSpaceTest, StripesAnExtentOverThreeDirectories) {
   EXPECT_EQ(back, data);
 }
 
+TEST_P(SwapSpaceTest, ReadsAndWritesAtOffsetsInsideAnExtent) {
+  auto io = engine();
+  SwapSpace swap(options({a_.path(), b_.path()}, 8 * MiB, 64 * KiB), *io);
+  const std::size_t bytes = 1 * MiB + 5000;
+  auto data = pattern(bytes, 8);
+  const ExtentId id = swap.allocate(bytes);
+  // Written in two chunks, as the residency pipeline does, then read whole and in parts.
+  swap.write(id, data.data(), 512 * KiB, 0).get();
+  swap.write(id, data.data() + 512 * KiB, bytes - 512 * KiB, 512 * KiB).get();
+  std::vector<unsigned char> back(bytes);
+  swap.read(id, back.data(), bytes).get();
+  EXPECT_EQ(back, data);
+  std::vector<unsigned char> part(200 * KiB);
+  swap.read(id, part.data(), part.size(), 128 * KiB).get();
+  EXPECT_EQ(std::memcmp(part.data(), data.data() + 128 * KiB, part.size()), 0);
+  EXPECT_THROW(swap.read(id, part.data(), 10, 100), Error);       // not a page multiple
+  EXPECT_THROW(swap.write(id, data.data(), bytes, 4096), Error);  // runs past the end
+}
+
 TEST_P(SwapSpaceTest, AFlippedByteIsDetectedByTheChecksum) {
   auto io = engine();
   SwapSpace swap(options({a_.path()}), *io);

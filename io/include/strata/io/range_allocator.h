@@ -59,6 +59,10 @@ class RangeAllocator {
   std::uint64_t allocate(std::uint64_t bytes, std::uint64_t alignment = 0);
   /// As allocate(), but returns nullopt instead of throwing when there is no room.
   std::optional<std::uint64_t> try_allocate(std::uint64_t bytes, std::uint64_t alignment = 0);
+  /// Reserves exactly [offset, offset + bytes) (rounded up to the granularity), which must lie
+  /// inside one free block; false when it does not. For compaction, which slides a block down
+  /// into the hole before it.
+  bool allocate_at(std::uint64_t offset, std::uint64_t bytes);
   /// Returns a block to the free list; it merges with free neighbours.
   void deallocate(std::uint64_t offset);
   /// Size (after rounding) of the live block at `offset`, or 0 if there is none.

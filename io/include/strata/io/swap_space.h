@@ -43,7 +43,7 @@ struct ExtentPiece {
 /// - Swap files are created and preallocated (fallocate) at construction, one per path, and
 ///   removed at destruction unless keep_files. A missing or read-only directory, or a disk too
 ///   small for the capacity, is an error naming the path.
-/// - allocate() gives an extent of 4 KiB-aligned logical space (RangeAllocator, best fit); its
+/// - allocate() gives an extent of stripe-aligned logical space (RangeAllocator, best fit); its
 ///   bytes are striped over the paths in `stripe_bytes` units, so N drives give N drives' rate.
 ///   No room is an OutOfMemoryError for tier "Nvme".
 /// - map_file() makes a read-only extent of an existing file at any offset; it is read as its
@@ -69,10 +69,14 @@ class SwapSpace {
   /// Frees a swap extent's space, or forgets a mapped one. No I/O on it may be pending.
   void release(ExtentId id);
 
-  void write(ExtentId id, const void* data, std::size_t bytes, IoCallback done);
-  void read(ExtentId id, void* data, std::size_t bytes, IoCallback done);
-  std::future<void> write(ExtentId id, const void* data, std::size_t bytes);
-  std::future<void> read(ExtentId id, void* data, std::size_t bytes);
+  /// Writes `bytes` at `offset` (a multiple of 4 KiB) of a swap extent.
+  void write(ExtentId id, std::uint64_t offset, const void* data, std::size_t bytes,
+             IoCallback done);
+  /// Reads `bytes` at `offset` of an extent (swap: a multiple of 4 KiB; mapped: any).
+  void read(ExtentId id, std::uint64_t offset, void* data, std::size_t bytes, IoCallback done);
+  std::future<void> write(ExtentId id, const void* data, std::size_t bytes,
+                          std::uint64_t offset = 0);
+  std::future<void> read(ExtentId id, void* data, std::size_t bytes, std::uint64_t offset = 0);
 
   [[nodiscard]] std::uint64_t extent_bytes(ExtentId id) const;
   /// Where an extent's bytes live, in order (for errors, tests and tools).
@@ -86,14 +90,17 @@ class SwapSpace {
   struct Piece {
     const File* file;
     std::uint64_t offset;  ///< in the file
-    std::uint64_t bytes;   ///< of the extent's bytes in this piece
-    std::uint64_t at;      ///< position of the piece in the extent
+    std::uint64_t bytes;   ///< of the transfer's bytes in this piece
+    std::uint64_t at;      ///< position of the piece in the transfer
+    std::uint64_t index;   ///< stripe unit of the extent (checksum slot)
+    bool whole_start;      ///< the piece starts at its stripe unit's start
   };
   struct Extent;
   struct MappedFile;
   struct Transfer;
 
-  std::vector<Piece> layout(const Extent& e, std::uint64_t bytes) const;
+  std::vector<Piece> layout(const Extent& e, std::uint64_t from, std::uint64_t bytes) const;
+  void add_ops(struct Transfer& t, const Extent& e, std::uint64_t offset, std::size_t bytes);
   std::shared_ptr<Extent> find(ExtentId id) const;
   void start(std::shared_ptr<Transfer> t);
 

@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "strata/io/range_allocator.h"
 
@@ -31,6 +33,10 @@ class MemoryPool {
   void* allocate(std::size_t bytes, std::size_t alignment = 0);
   void* try_allocate(std::size_t bytes, std::size_t alignment = 0) noexcept;
   void deallocate(void* ptr);
+  /// Reserves exactly [ptr, ptr + bytes) if it lies in one free block (compaction).
+  bool allocate_at(void* ptr, std::size_t bytes);
+  /// Free blocks in address order as (pointer, bytes).
+  [[nodiscard]] std::vector<std::pair<std::byte*, std::size_t>> free_blocks() const;
   [[nodiscard]] bool contains(const void* ptr) const noexcept;
   [[nodiscard]] PoolStats stats() const;
   [[nodiscard]] void* base() const noexcept { return base_; }

@@ -1,0 +1,48 @@
+// RuntimeOptions: everything that configures a strata runtime, as C++ structs or as one JSON
+// document with the same keys. Sizes accept units ("512MiB", "2GB") or plain byte counts.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <string_view>
+
+#include "strata/io/io_options.h"
+#include "strata/io/swap_space.h"
+#include "strata/runtime/backend.h"
+
+namespace strata {
+
+enum class EvictionKind { Lru, FarthestNextUse };
+std::string_view to_string(EvictionKind kind) noexcept;
+
+/// JSON keys (all optional):
+/// ```
+/// { "backend": "auto|host|cuda", "device_budget": "1GiB", "host_budget": "4GiB",
+///   "link_gbps": 25, "device_ordinal": 0,
+///   "nvme": { "paths": ["/mnt/nvme0", "/mnt/nvme1"], "capacity": "100GiB",
+///             "stripe_bytes": "1MiB", "keep_files": false },
+///   "io": { "engine": "auto|uring|posix", "block_size": "1MiB", "queue_depth": 16,
+///           "threads": 4, "direct": true, "sqpoll": false, "faults": ["read:3:eio"] },
+///   "checksums": true, "eviction": "lru|farthest_next_use", "trace_events": 65536,
+///   "staging_chunk": "4MiB", "staging_chunks": 4, "quiet": false }
+/// ```
+struct RuntimeOptions {
+  BackendOptions backend;
+  std::size_t host_budget_bytes = std::size_t{1} << 30;  ///< pinned host tier (one slab)
+  SwapOptions nvme;                                      ///< no paths = no NVMe tier
+  IoOptions io;
+  bool checksums = true;
+  EvictionKind eviction = EvictionKind::Lru;
+  std::size_t trace_events = 1 << 16;                      ///< telemetry ring size
+  std::size_t staging_chunk_bytes = std::size_t{4} << 20;  ///< NVMe<->device pipeline chunk
+  unsigned staging_chunks = 4;                             ///< staging slots in the host slab
+  bool quiet = false;
+
+  /// Throws strata::Error (invalid_argument) naming the first bad key.
+  void validate() const;
+  /// Parses and validates a JSON document; unknown keys and impossible values are errors naming
+  /// the key ("nvme.capacity: ...").
+  static RuntimeOptions from_json(std::string_view json);
+};
+
+}  // namespace strata

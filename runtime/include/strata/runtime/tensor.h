@@ -1,0 +1,37 @@
+// Tensor descriptors: what a tensor is (name, size, type, shape, role). Residency is elsewhere.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace strata {
+
+using TensorId = std::uint64_t;
+
+enum class DType : std::uint8_t { F32, F16, BF16, F64, I64, I32, I16, I8, U8, Bool };
+std::string_view to_string(DType dtype) noexcept;
+std::size_t dtype_bytes(DType dtype) noexcept;
+/// Parses "f32", "F32", "bf16", ... (safetensors spellings included); throws naming `key`.
+DType parse_dtype(std::string_view text, std::string_view key = "dtype");
+
+enum class TensorKind : std::uint8_t { Param, Grad, OptimizerState, Activation, Other };
+std::string_view to_string(TensorKind kind) noexcept;
+
+/// How a lease uses a tensor's bytes. Values match the C API's strata_access.
+enum class Access : std::uint8_t { Read = 1, Write = 2, ReadWrite = 3 };
+constexpr bool writes(Access a) noexcept {
+  return (static_cast<unsigned>(a) & static_cast<unsigned>(Access::Write)) != 0;
+}
+
+struct TensorDesc {
+  std::string name;
+  std::uint64_t bytes = 0;  ///< when 0, derived from dtype and shape
+  DType dtype = DType::U8;
+  std::vector<std::int64_t> shape;
+  TensorKind kind = TensorKind::Other;
+};
+
+}  // namespace strata

@@ -1,0 +1,187 @@
+#include "strata/runtime/config.h"
+
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "strata/io/error.h"
+#include "strata/io/pages.h"
+#include "strata/io/units.h"
+
+namespace strata {
+
+std::string_view to_string(EvictionKind kind) noexcept {
+  return kind == EvictionKind::Lru ? "lru" : "farthest_next_use";
+}
+
+void RuntimeOptions::validate() const {
+  STRATA_EXPECTS(backend.link_gbps >= 0, "link_gbps: must be >= 0, got ", backend.link_gbps);
+  STRATA_EXPECTS(backend.device_budget_bytes == 0 || backend.device_budget_bytes >= kPageBytes,
+                 "device_budget: ", backend.device_budget_bytes,
+                 " bytes is smaller than one 4 KiB page");
+  io.validate();
+  STRATA_EXPECTS(staging_chunk_bytes >= kPageBytes && staging_chunk_bytes % kPageBytes == 0,
+                 "staging_chunk: ", staging_chunk_bytes, " is not a positive multiple of 4 KiB");
+  STRATA_EXPECTS(staging_chunks >= 1 && staging_chunks <= 64, "staging_chunks: ", staging_chunks,
+                 " is outside 1..64");
+  STRATA_EXPECTS(host_budget_bytes >= staging_chunk_bytes * staging_chunks + io.block_size,
+                 "host_budget: ", host_budget_bytes, " bytes (", format_bytes(host_budget_bytes),
+                 ") is smaller than the staging area (", staging_chunks, " x ",
+                 format_bytes(staging_chunk_bytes), ") plus one I/O block (",
+                 format_bytes(io.block_size), ")");
+  STRATA_EXPECTS(trace_events >= 16, "trace_events: ", trace_events, " is below 16");
+  if (!nvme.paths.empty()) {
+    nvme.validate();
+    STRATA_EXPECTS(
+        nvme.stripe_bytes <= staging_chunk_bytes || nvme.stripe_bytes % staging_chunk_bytes == 0,
+        "nvme.stripe_bytes: ", nvme.stripe_bytes,
+        " must divide, or be a multiple of, staging_chunk (", staging_chunk_bytes, ")");
+  }
+}
+
+namespace {
+
+using nlohmann::json;
+
+std::uint64_t size_of(const json& v, const std::string& key) {
+  if (v.is_number_unsigned()) return v.get<std::uint64_t>();
+  if (v.is_number_integer())
+    STRATA_FAIL(Errc::invalid_argument, key, ": ", v.get<std::int64_t>(),
+                " is negative; sizes are >= 0");
+  if (v.is_number_float()) {
+    const double d = v.get<double>();
+    STRATA_EXPECTS(d >= 0, key, ": ", d, " is negative; sizes are >= 0");
+    return static_cast<std::uint64_t>(d);
+  }
+  if (v.is_string()) return parse_bytes(v.get<std::string>(), key);
+  STRATA_FAIL(Errc::invalid_argument, key, ": expected a size (a number or a string such as ",
+              "\"512MiB\"), got ", v.type_name());
+}
+
+bool bool_of(const json& v, const std::string& key) {
+  STRATA_EXPECTS(v.is_boolean(), key, ": expected true or false, got ", v.dump());
+  return v.get<bool>();
+}
+
+std::string string_of(const json& v, const std::string& key) {
+  STRATA_EXPECTS(v.is_string(), key, ": expected a string, got ", v.dump());
+  return v.get<std::string>();
+}
+
+unsigned count_of(const json& v, const std::string& key) {
+  STRATA_EXPECTS(v.is_number_unsigned() && v.get<std::uint64_t>() <= 1u << 20, key,
+                 ": expected a non-negative integer, got ", v.dump());
+  return v.get<unsigned>();
+}
+
+void expect_object(const json& v, const std::string& key) {
+  STRATA_EXPECTS(v.is_object(), key.empty() ? "configuration" : key,
+                 ": expected a JSON object, got ", v.type_name());
+}
+
+}  // namespace
+
+RuntimeOptions RuntimeOptions::from_json(std::string_view text) {
+  json doc;
+  try {
+    doc = json::parse(text.begin(), text.end());
+  } catch (const json::parse_error& e) {
+    STRATA_FAIL(Errc::invalid_argument, "configuration is not valid JSON: ", e.what());
+  }
+  expect_object(doc, "");
+  RuntimeOptions o;
+  for (const auto& [key, v] : doc.items()) {
+    if (key == "backend") {
+      o.backend.kind = parse_backend_kind(string_of(v, key), key);
+    } else if (key == "device_budget") {
+      o.backend.device_budget_bytes = size_of(v, key);
+      STRATA_EXPECTS(o.backend.device_budget_bytes > 0, key, ": must be > 0");
+    } else if (key == "host_budget") {
+      o.host_budget_bytes = size_of(v, key);
+    } else if (key == "link_gbps") {
+      STRATA_EXPECTS(v.is_number() && v.get<double>() >= 0, key, ": expected a number >= 0, got ",
+                     v.dump());
+      o.backend.link_gbps = v.get<double>();
+    } else if (key == "device_ordinal") {
+      o.backend.device_ordinal = static_cast<int>(count_of(v, key));
+    } else if (key == "checksums") {
+      o.checksums = bool_of(v, key);
+    } else if (key == "eviction") {
+      const std::string e = string_of(v, key);
+      if (e == "lru")
+        o.eviction = EvictionKind::Lru;
+      else if (e == "farthest_next_use")
+        o.eviction = EvictionKind::FarthestNextUse;
+      else
+        STRATA_FAIL(Errc::invalid_argument, key, ": unknown policy \"", e,
+                    "\" (expected lru or farthest_next_use)");
+    } else if (key == "trace_events") {
+      o.trace_events = count_of(v, key);
+    } else if (key == "staging_chunk") {
+      o.staging_chunk_bytes = size_of(v, key);
+    } else if (key == "staging_chunks") {
+      o.staging_chunks = count_of(v, key);
+    } else if (key == "quiet") {
+      o.quiet = bool_of(v, key);
+    } else if (key == "nvme") {
+      expect_object(v, key);
+      for (const auto& [k, x] : v.items()) {
+        const std::string name = "nvme." + k;
+        if (k == "paths") {
+          STRATA_EXPECTS(x.is_array() && !x.empty(), name,
+                         ": expected a non-empty array of directories");
+          for (const auto& p : x)
+            o.nvme.paths.push_back(string_of(p, name));
+        } else if (k == "capacity") {
+          o.nvme.capacity_bytes = size_of(x, name);
+        } else if (k == "stripe_bytes") {
+          o.nvme.stripe_bytes = size_of(x, name);
+        } else if (k == "keep_files") {
+          o.nvme.keep_files = bool_of(x, name);
+        } else {
+          STRATA_FAIL(Errc::invalid_argument, name,
+                      ": unknown key (known: paths, capacity, stripe_bytes, keep_files)");
+        }
+      }
+    } else if (key == "io") {
+      expect_object(v, key);
+      for (const auto& [k, x] : v.items()) {
+        const std::string name = "io." + k;
+        if (k == "engine")
+          o.io.engine = parse_engine_kind(string_of(x, name), name);
+        else if (k == "block_size")
+          o.io.block_size = size_of(x, name);
+        else if (k == "queue_depth")
+          o.io.queue_depth = count_of(x, name);
+        else if (k == "threads")
+          o.io.threads = count_of(x, name);
+        else if (k == "direct")
+          o.io.direct = bool_of(x, name);
+        else if (k == "sqpoll")
+          o.io.sqpoll = bool_of(x, name);
+        else if (k == "faults") {
+          STRATA_EXPECTS(x.is_array(), name, ": expected an array such as [\"read:3:eio\"]");
+          for (const auto& f : x)
+            o.io.faults.push_back(parse_fault(string_of(f, name), name));
+        } else {
+          STRATA_FAIL(Errc::invalid_argument, name,
+                      ": unknown key (known: engine, block_size, queue_depth, threads, direct, "
+                      "sqpoll, faults)");
+        }
+      }
+    } else {
+      STRATA_FAIL(Errc::invalid_argument, key,
+                  ": unknown key (known: backend, device_budget, host_budget, link_gbps, "
+                  "device_ordinal, nvme, io, checksums, eviction, trace_events, staging_chunk, "
+                  "staging_chunks, quiet)");
+    }
+  }
+  if (!o.nvme.paths.empty() && o.nvme.capacity_bytes == 0)
+    STRATA_FAIL(Errc::invalid_argument, "nvme.capacity: required when nvme.paths is given");
+  o.nvme.checksums = o.checksums;
+  o.nvme.direct = o.io.direct;
+  o.validate();
+  return o;
+}
+
+}  // namespace strata

@@ -1,0 +1,327 @@
+#include "strata/runtime/runtime.h"
+
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <map>
+
+#include <nlohmann/json.hpp>
+
+#include "runtime/runtime_fixture.h"
+#include "strata/io/error.h"
+
+namespace strata::testing {
+namespace {
+
+class RuntimeTest : public ::testing::Test {
+ protected:
+  std::unique_ptr<Runtime> make(Budgets b = {}) {
+    return std::make_unique<Runtime>(small_options(dir_.path(), b));
+  }
+  TempDir dir_;
+};
+
+TEST_F(RuntimeTest, MovesATensorFromNvmeToDeviceAndBack) {
+  auto rt = make();
+  const auto data = pattern(200 * KiB + 123, 1);
+  const TensorId t = rt->create_tensor(desc("w", data.size()), Tier::Nvme, data.data());
+  EXPECT_TRUE(rt->resident(t, Tier::Nvme));
+  EXPECT_FALSE(rt->resident(t, Tier::Device));
+  {
+    Lease lease = rt->acquire(t, Tier::Device, Access::Read).get();
+    EXPECT_EQ(lease.bytes(), data.size());
+    EXPECT_EQ(leased_bytes(lease), data);
+  }
+  EXPECT_TRUE(rt->resident(t, Tier::Device));
+  EXPECT_TRUE(rt->resident(t, Tier::Host));  // the host kept a copy on the way: it had room
+  EXPECT_EQ(rt->tier_stats(Tier::Device).misses, 1u);
+  {
+    Lease again = rt->acquire(t, Tier::Device, Access::Read).get();
+    EXPECT_EQ(leased_bytes(again), data);
+  }
+  EXPECT_EQ(rt->tier_stats(Tier::Device).hits, 1u);
+  EXPECT_EQ(contents(*rt, t), data);
+}
+
+TEST_F(RuntimeTest, ZeroedTensorsOnEveryTier) {
+  auto rt = make();
+  for (Tier home : {Tier::Device, Tier::Host, Tier::Nvme}) {
+    const TensorId t = rt->create_tensor(desc("z", 70000), home);
+    EXPECT_EQ(contents(*rt, t), std::vector<unsigned char>(70000, 0)) << to_string(home);
+    rt->destroy_tensor(t);
+  }
+  EXPECT_EQ(rt->tier_stats(Tier::Device).used_bytes, 0u);
+  EXPECT_EQ(rt->tier_stats(Tier::Host).used_bytes, 0u);
+  EXPECT_EQ(rt->tier_stats(Tier::Nvme).used_bytes, 0u);
+}
+
+TEST_F(RuntimeTest, WriteLeaseMakesTheCopyNewestAndEvictionWritesItBackOnce) {
+  auto rt = make();
+  const auto v1 = pattern(100 * KiB, 1), v2 = pattern(100 * KiB, 2);
+  const TensorId t = rt->create_tensor(desc("state", v1.size()), Tier::Nvme, v1.data());
+  {
+    Lease lease = rt->acquire(t, Tier::Device, Access::ReadWrite).get();
+    lease.wait();
+    std::memcpy(lease.data(), v2.data(), v2.size());
+  }
+  EXPECT_FALSE(rt->resident(t, Tier::Host));  // stale now
+  rt->evict(t, Tier::Device);                 // dirty: written back to the host
+  EXPECT_EQ(rt->tier_stats(Tier::Device).write_backs, 1u);
+  EXPECT_TRUE(rt->resident(t, Tier::Host));
+  rt->evict(t, Tier::Host);  // dirty on the host now: written to NVMe
+  EXPECT_EQ(rt->tier_stats(Tier::Host).write_backs, 1u);
+  EXPECT_EQ(contents(*rt, t), v2);
+  // Read it up again and drop it: clean, so no second write-back.
+  rt->acquire(t, Tier::Device, Access::Read).get();
+  rt->evict(t, Tier::Device);
+  rt->evict(t, Tier::Host);
+  EXPECT_EQ(rt->tier_stats(Tier::Device).write_backs, 1u);
+  EXPECT_EQ(rt->tier_stats(Tier::Host).write_backs, 1u);
+  EXPECT_EQ(contents(*rt, t), v2);
+}
+
+TEST_F(RuntimeTest, CleanVictimsAreDroppedNeverWrittenBack) {
+  auto rt = make();
+  std::vector<TensorId> weights;
+  std::vector<std::vector<unsigned char>> data;
+  for (int i = 0; i < 12; ++i) {  // 12 x 128 KiB = 3x the device budget
+    data.push_back(pattern(128 * KiB, i));
+    weights.push_back(rt->create_tensor(desc("w" + std::to_string(i), 128 * KiB), Tier::Nvme,
+                                        data.back().data()));
+  }
+  const std::uint64_t written = rt->io()->stats().bytes_written;
+  for (int pass = 0; pass < 2; ++pass)
+    for (int i = 0; i < 12; ++i) {
+      Lease lease = rt->acquire(weights[i], Tier::Device, Access::Read).get();
+      ASSERT_EQ(leased_bytes(lease), data[i]);
+    }
+  EXPECT_GT(rt->tier_stats(Tier::Device).evictions, 0u);
+  EXPECT_EQ(rt->tier_stats(Tier::Device).write_backs, 0u);
+  EXPECT_EQ(rt->tier_stats(Tier::Host).write_backs, 0u);
+  EXPECT_EQ(rt->io()->stats().bytes_written, written);  // not one byte written back
+}
+
+TEST_F(RuntimeTest, EvictsTheLeastRecentlyUsedFirst) {
+  auto rt = make();  // the device holds 4 tensors of 128 KiB
+  std::vector<TensorId> t;
+  for (int i = 0; i < 5; ++i)
+    t.push_back(rt->create_tensor(desc("t" + std::to_string(i), 128 * KiB), Tier::Host));
+  for (int i : {0, 1, 2, 3, 0})
+    rt->acquire(t[i], Tier::Device, Access::Read).get();
+  rt->acquire(t[4], Tier::Device, Access::Read).get();  // needs room: t1 is least recent
+  EXPECT_FALSE(rt->resident(t[1], Tier::Device));
+  for (int i : {0, 2, 3, 4})
+    EXPECT_TRUE(rt->resident(t[i], Tier::Device)) << i;
+}
+
+TEST_F(RuntimeTest, EvictsTheFarthestNextUseThroughThePolicy) {
+  auto rt = make();
+  std::vector<TensorId> t;
+  for (int i = 0; i < 5; ++i)
+    t.push_back(rt->create_tensor(desc("t" + std::to_string(i), 128 * KiB), Tier::Host));
+  // Next uses: t2 is needed last of all, so it goes even though t0 is least recent.
+  std::map<TensorId, std::uint64_t> next{{t[0], 1}, {t[1], 2}, {t[2], 50}, {t[3], 3}};
+  rt->set_eviction_policy(std::make_shared<FarthestNextUsePolicy>(
+      [next](TensorId id) { return next.count(id) ? next.at(id) : ~0ULL; }));
+  for (int i = 0; i < 4; ++i)
+    rt->acquire(t[i], Tier::Device, Access::Read).get();
+  rt->acquire(t[4], Tier::Device, Access::Read).get();
+  EXPECT_FALSE(rt->resident(t[2], Tier::Device));
+  for (int i : {0, 1, 3, 4})
+    EXPECT_TRUE(rt->resident(t[i], Tier::Device)) << i;
+}
+
+TEST_F(RuntimeTest, CompactsInsteadOfEvictingWhenFreeBytesSuffice) {
+  auto rt = make();  // 512 KiB device
+  std::vector<TensorId> t;
+  std::vector<std::vector<unsigned char>> data;
+  for (int i = 0; i < 4; ++i) {
+    data.push_back(pattern(128 * KiB, 10 + i));
+    t.push_back(
+        rt->create_tensor(desc("t" + std::to_string(i), 128 * KiB), Tier::Host, data[i].data()));
+    rt->acquire(t[i], Tier::Device, Access::Read).get();
+  }
+  rt->evict(t[0], Tier::Device);
+  rt->evict(t[2], Tier::Device);  // two holes of 128 KiB: 256 KiB free, none of it in one block
+  const std::uint64_t evictions = rt->tier_stats(Tier::Device).evictions;
+  const TensorId big = rt->create_tensor(desc("big", 256 * KiB), Tier::Host);
+  rt->acquire(big, Tier::Device, Access::Read).get();
+  EXPECT_EQ(rt->tier_stats(Tier::Device).evictions, evictions);  // nothing evicted
+  EXPECT_GT(rt->tier_stats(Tier::Device).compactions, 0u);
+  for (int i : {1, 3}) {
+    EXPECT_TRUE(rt->resident(t[i], Tier::Device));
+    Lease lease = rt->acquire(t[i], Tier::Device, Access::Read).get();
+    EXPECT_EQ(leased_bytes(lease), data[i]) << "moved tensor " << i << " kept its bytes";
+  }
+}
+
+TEST_F(RuntimeTest, AWorkingSetThatCannotFitNamesTheLeasedTensors) {
+  auto rt = make();
+  const TensorId a = rt->create_tensor(desc("layer.a", 256 * KiB), Tier::Host);
+  const TensorId b = rt->create_tensor(desc("layer.b", 256 * KiB), Tier::Host);
+  const TensorId c = rt->create_tensor(desc("layer.c", 128 * KiB), Tier::Host);
+  Lease la = rt->acquire(a, Tier::Device, Access::Read).get();
+  Lease lb = rt->acquire(b, Tier::Device, Access::Read).get();
+  try {
+    rt->acquire(c, Tier::Device, Access::Read);
+    FAIL() << "placed a tensor while everything was leased";
+  } catch (const OutOfMemoryError& e) {
+    EXPECT_EQ(e.tier(), "Device");
+    EXPECT_EQ(e.requested_bytes(), 128 * KiB);
+    const std::string what = e.what();
+    EXPECT_NE(what.find("layer.a"), std::string::npos) << what;
+    EXPECT_NE(what.find("layer.b"), std::string::npos) << what;
+    EXPECT_NE(what.find("262144"), std::string::npos) << what;
+  }
+  la.release();
+  rt->acquire(c, Tier::Device, Access::Read).get();  // now it fits: nothing was lost
+  const TensorId huge = rt->create_tensor(desc("huge", 1 * MiB), Tier::Nvme);
+  EXPECT_THROW(rt->acquire(huge, Tier::Device, Access::Read), OutOfMemoryError);
+}
+
+TEST_F(RuntimeTest, AFailedWriteBackLeavesTheTensorDirtyAndLosesNothing) {
+  Budgets b;
+  b.faults = {"write:3:eio"};  // creation writes 2 ops (2 x 64 KiB); the write-back fails
+  auto rt = make(b);
+  const auto v1 = pattern(128 * KiB, 1), v2 = pattern(128 * KiB, 2);
+  const TensorId t = rt->create_tensor(desc("adam.m", v1.size()), Tier::Nvme, v1.data());
+  {
+    Lease lease = rt->acquire(t, Tier::Host, Access::Write).get();
+    std::memcpy(lease.data(), v2.data(), v2.size());
+  }
+  try {
+    rt->evict(t, Tier::Host);
+    FAIL() << "the injected EIO did not surface";
+  } catch (const IoError& e) {
+    EXPECT_EQ(e.error_number(), EIO);
+  }
+  EXPECT_TRUE(rt->resident(t, Tier::Host));  // still there, still the newest
+  EXPECT_EQ(contents(*rt, t), v2);
+  rt->evict(t, Tier::Host);  // the retry succeeds
+  EXPECT_EQ(contents(*rt, t), v2);
+}
+
+TEST_F(RuntimeTest, AFailedLoadSurfacesOnTheFutureAndTheTensorSurvives) {
+  Budgets b;
+  b.faults = {"read:1:eio"};
+  auto rt = make(b);
+  const auto data = pattern(64 * KiB, 3);
+  const TensorId t = rt->create_tensor(desc("w", data.size()), Tier::Nvme, data.data());
+  LeaseFuture f = rt->acquire(t, Tier::Host, Access::Read);
+  EXPECT_THROW(f.get(), IoError);
+  EXPECT_FALSE(rt->resident(t, Tier::Host));
+  Lease lease = rt->acquire(t, Tier::Host, Access::Read).get();
+  EXPECT_EQ(leased_bytes(lease), data);
+}
+
+TEST_F(RuntimeTest, NvmeToDeviceGoesThroughStagingWhenTheHostIsFull) {
+  Budgets b;
+  b.device = 2 * MiB;
+  auto rt = make(b);  // host tier: 1 MiB - 256 KiB staging = 768 KiB
+  const auto data = pattern(1 * MiB + 4096 * 3 + 7, 4);
+  const TensorId t = rt->create_tensor(desc("big", data.size()), Tier::Nvme, data.data());
+  Lease lease = rt->acquire(t, Tier::Device, Access::Read).get();
+  EXPECT_EQ(leased_bytes(lease), data);
+  EXPECT_FALSE(rt->resident(t, Tier::Host));  // it never fit there
+  // Written on the device and evicted: back to NVMe through staging.
+  auto v2 = pattern(data.size(), 5);
+  lease.release();
+  rt->write(t, v2.data(), v2.size());
+  rt->evict(t, Tier::Device);
+  EXPECT_EQ(contents(*rt, t), v2);
+}
+
+TEST_F(RuntimeTest, MappedTensorsAreNeverWritten) {
+  auto rt = make();
+  const auto data = pattern(3 * 4096 + 100, 6);
+  const std::string path = dir_.file("model.bin");
+  std::ofstream(path, std::ios::binary)
+      .write(reinterpret_cast<const char*>(data.data()), data.size());
+  const TensorId t = rt->map_tensor(desc("w", data.size() - 33), path, 33);
+  Lease lease = rt->acquire(t, Tier::Device, Access::Read).get();
+  EXPECT_EQ(leased_bytes(lease), std::vector<unsigned char>(data.begin() + 33, data.end()));
+  lease.release();
+  auto changed = pattern(data.size() - 33, 7);
+  rt->write(t, changed.data(), changed.size());
+  rt->evict(t, Tier::Device);
+  rt->evict(t, Tier::Host);  // written to a swap extent, not to the model file
+  EXPECT_EQ(contents(*rt, t), changed);
+  std::vector<unsigned char> file(data.size());
+  std::ifstream(path, std::ios::binary).read(reinterpret_cast<char*>(file.data()), file.size());
+  EXPECT_EQ(file, data);
+}
+
+TEST_F(RuntimeTest, StatsAndTraceExport) {
+  auto rt = make();
+  const TensorId t = rt->create_tensor(desc("w", 128 * KiB), Tier::Nvme);
+  rt->acquire(t, Tier::Device, Access::Read).get();
+  rt->synchronize();
+  const auto stats = nlohmann::json::parse(rt->stats_json());
+  EXPECT_EQ(stats["backend"], "host");
+  EXPECT_EQ(stats["tiers"]["Device"]["misses"], 1);
+  EXPECT_EQ(stats["tiers"]["Device"]["bytes_in"], 128 * KiB);
+  EXPECT_GE(stats["io"]["bytes_read"].get<std::uint64_t>(), 128 * KiB);
+  const auto trace = nlohmann::json::parse(rt->telemetry().chrome_trace_json());
+  bool h2d = false, nvme = false, counter = false;
+  for (const auto& e : trace["traceEvents"]) {
+    if (e["ph"] == "X" && e["tid"] == static_cast<int>(Track::H2D)) h2d = true;
+    if (e["ph"] == "b" && e["tid"] == static_cast<int>(Track::NvmeRead)) nvme = true;
+    if (e["ph"] == "C") counter = true;
+  }
+  EXPECT_TRUE(h2d);
+  EXPECT_TRUE(nvme);
+  EXPECT_TRUE(counter);
+  rt->telemetry().write_chrome_trace(dir_.file("trace.json"));
+  EXPECT_THROW(rt->telemetry().write_chrome_trace("/nonexistent/trace.json"), IoError);
+}
+
+TEST(RuntimeConfig, ParsesTheDocumentedKeys) {
+  TempDir dir;
+  const auto o = RuntimeOptions::from_json(R"({"backend": "host", "device_budget": "64MiB",
+      "host_budget": "256MiB", "link_gbps": 25,
+      "nvme": {"paths": [")" + dir.path() + R"("], "capacity": "1GiB", "stripe_bytes": "1MiB"},
+      "io": {"engine": "posix", "block_size": "1MiB", "queue_depth": 8, "faults": ["read:3:eio"]},
+      "checksums": false, "eviction": "farthest_next_use", "trace_events": 1024})");
+  EXPECT_EQ(o.backend.kind, BackendKind::Host);
+  EXPECT_EQ(o.backend.device_budget_bytes, 64 * MiB);
+  EXPECT_EQ(o.host_budget_bytes, 256 * MiB);
+  EXPECT_EQ(o.backend.link_gbps, 25.0);
+  EXPECT_EQ(o.nvme.capacity_bytes, 1 * GiB);
+  EXPECT_EQ(o.io.engine, EngineKind::Posix);
+  EXPECT_EQ(o.io.queue_depth, 8u);
+  EXPECT_EQ(o.io.faults.size(), 1u);
+  EXPECT_FALSE(o.checksums);
+  EXPECT_FALSE(o.nvme.checksums);
+  EXPECT_EQ(o.eviction, EvictionKind::FarthestNextUse);
+}
+
+TEST(RuntimeConfig, RejectsBadDocumentsNamingTheKey) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {R"({"device_budgte": "1GiB"})", "device_budgte"},
+      {R"({"device_budget": -5})", "device_budget"},
+      {R"({"device_budget": "lots"})", "device_budget"},
+      {R"({"host_budget": "64KiB"})", "host_budget"},
+      {R"({"nvme": {"paths": ["/nonexistent/x"], "capacity": "1GiB"}})", "nvme.paths[0]"},
+      {R"({"nvme": {"paths": ["/tmp"]}})", "nvme.capacity"},
+      {R"({"nvme": {"pathz": ["/tmp"]}})", "nvme.pathz"},
+      {R"({"io": {"queue_depth": 0}})", "io.queue_depth"},
+      {R"({"io": {"block_size": "1000"}})", "io.block_size"},
+      {R"({"eviction": "random"})", "eviction"},
+      {R"({"backend": "gpu"})", "backend"},
+      {R"({"link_gbps": -1})", "link_gbps"},
+      {R"([1, 2])", "configuration"},
+      {R"({"backend": )", "JSON"},
+  };
+  for (const auto& [doc, key] : cases) {
+    try {
+      RuntimeOptions::from_json(doc);
+      ADD_FAILURE() << "accepted " << doc;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::invalid_argument);
+      EXPECT_NE(std::string(e.what()).find(key), std::string::npos) << doc << " -> " << e.what();
+    }
+  }
+}
+
+}  // namespace
+}  // namespace strata::testing
