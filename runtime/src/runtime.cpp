@@ -567,7 +567,7 @@ struct Runtime::Impl {
     p->bytes = t.desc.bytes;
     p->chunk = options.staging_chunk_bytes;
     p->chunks = static_cast<std::size_t>((p->bytes + p->chunk - 1) / p->chunk);
-    p->max_in_flight = std::max<std::size_t>(2, options.staging_chunks / 2);
+    p->max_in_flight = options.staging_chunks;  // waiting pipelines get slots as they free
     if (p->down) {
       p->extent = t.copies[idx(Tier::Nvme)].extent;
       p->device = t.copies[idx(Tier::Device)].ptr;
@@ -739,6 +739,7 @@ struct Runtime::Impl {
         return;
       }
       if (count) ++stats[idx(tier)].misses;
+      count = false;  // one request counts once, however often it loops
       const Tier src = source_for(t, tier);
       ++t.copies[idx(src)].pins;  // keep the source while room is made
       try {
@@ -748,9 +749,11 @@ struct Runtime::Impl {
         throw;
       }
       --t.copies[idx(src)].pins;
-      if (t.copies[idx(tier)].state != CopyState::Absent &&
-          t.copies[idx(tier)].state != CopyState::Valid)
-        continue;  // someone else started a move meanwhile
+      // make_room may have waited: another thread may have loaded the copy, or be loading it.
+      // Start over rather than load into a copy that readers may already be using.
+      const Copy& now = t.copies[idx(tier)];
+      if (now.state == CopyState::Loading || now.state == CopyState::Evicting || t.current(tier))
+        continue;
       start_load(lock, t, tier, source_for(t, tier));
       run_after_unlock(lock);
       return;
@@ -1016,9 +1019,9 @@ LeaseFuture Runtime::acquire(TensorId id, Tier tier, Access access) {
   }
   rt.ensure(lock, t, tier, /*count=*/true);
   Copy& c = t.copies[idx(tier)];
+  if (c.leases++ == 0) rt.stats[idx(tier)].leased_bytes += t.desc.bytes;  // no eviction now
   // A writer must not change bytes that a move is still copying out of this tier.
   if (writes(access)) rt.changed.wait(lock, [&] { return c.pins == 0; });
-  if (c.leases++ == 0) rt.stats[idx(tier)].leased_bytes += t.desc.bytes;
   c.last_use = ++rt.clock;
   LeaseFuture f;
   f.runtime_ = this;
