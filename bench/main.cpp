@@ -10,6 +10,7 @@ namespace strata::bench {
 void register_alloc(CLI::App& app);
 void register_copy(CLI::App& app);
 void register_io(CLI::App& app);
+void register_overlap(CLI::App& app);
 }  // namespace strata::bench
 
 int main(int argc, char** argv) {
@@ -18,6 +19,7 @@ int main(int argc, char** argv) {
   strata::bench::register_alloc(app);
   strata::bench::register_copy(app);
   strata::bench::register_io(app);
+  strata::bench::register_overlap(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

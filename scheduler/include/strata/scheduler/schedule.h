@@ -9,6 +9,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "strata/runtime/tier.h"
+
 namespace strata {
 
 /// How a step uses a tensor.
@@ -17,6 +19,8 @@ enum class Use : std::uint8_t { Read = 1, Write = 2, ReadWrite = 3 };
 struct TensorUse {
   std::uint64_t tensor = 0;  ///< the runtime's tensor id
   Use use = Use::Read;
+  Tier tier = Tier::Device;  ///< where the step needs it
+  friend bool operator==(const TensorUse&, const TensorUse&) = default;
 };
 
 struct Step {

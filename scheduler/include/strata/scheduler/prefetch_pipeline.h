@@ -1,0 +1,138 @@
+// PrefetchPipeline: runs a training or inference loop's steps over the residency manager,
+// prefetching each step's tensors ahead of it so that copies overlap with compute.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "strata/runtime/runtime.h"
+#include "strata/scheduler/schedule.h"
+
+namespace strata {
+
+enum class PrefetchMode {
+  None,   ///< fetch on demand when a step begins
+  Auto,   ///< as far ahead as the budget allows, as early as the measured links require
+  Fixed,  ///< a fixed lookahead of `fixed_lookahead` steps (for comparison)
+};
+
+struct PipelineOptions {
+  PrefetchMode prefetch = PrefetchMode::Auto;
+  std::size_t fixed_lookahead = 2;
+  /// Fraction of the device budget the prefetch window's working set may take (0 < f <= 1).
+  double budget_fraction = 1.0;
+  /// After a tensor's last write in the iteration, write it back (device -> host, and to NVMe
+  /// when it is homed there) on the write-back thread, overlapping with later steps.
+  bool write_back = true;
+  /// Use the schedule's farthest-next-use eviction policy for the runtime.
+  bool belady = true;
+};
+
+struct PipelineStats {
+  std::uint64_t steps = 0;
+  std::uint64_t divergences = 0;       ///< steps that differed from the recorded trace
+  std::uint64_t resyncs = 0;           ///< divergences resolved by finding the step further on
+  std::uint64_t on_demand = 0;         ///< steps served without the trace
+  std::uint64_t prefetches = 0;        ///< prefetch requests issued
+  std::uint64_t ready_at_begin = 0;    ///< step inputs already resident or arriving at begin
+  std::uint64_t inputs = 0;            ///< step inputs in all
+  std::uint64_t write_backs = 0;       ///< evictions issued by the write-back thread
+  std::uint64_t max_window_bytes = 0;  ///< the largest prefetch working set (<= the budget)
+  std::size_t max_lookahead_steps = 0;
+  double measured_gbps = 0;                ///< bytes into the device per second while moving
+  double compute_s_per_step = 0;           ///< mean time between begin_step and end_step
+  std::size_t needed_lookahead_steps = 0;  ///< transfer time per step / compute time per step
+};
+
+/// The leases of one step's inputs.
+class StepLeases {
+ public:
+  [[nodiscard]] std::size_t size() const noexcept { return leases_.size(); }
+  [[nodiscard]] Lease& operator[](std::size_t i) { return leases_.at(i); }
+  /// The lease of `tensor`; throws strata::Error (not_found) if the step does not use it.
+  [[nodiscard]] Lease& of(TensorId tensor);
+  /// Host side: blocks until every input is there (the host backend's "stream wait").
+  void wait() const;
+  /// Device side: `stream` waits for every input's copy (cudaStreamWaitEvent on CUDA); the
+  /// host does not block.
+  void wait_on(Stream& stream) const;
+
+ private:
+  friend class PrefetchPipeline;
+  std::vector<Lease> leases_;
+  std::vector<TensorUse> uses_;
+  std::size_t step_ = 0;
+  bool traced_ = false;
+};
+
+/// Contract:
+/// - A schedule is given (set_schedule) or recorded from the first iteration and replayed.
+/// - begin_step() acquires the step's tensors and returns their leases; end_step() releases
+///   them. A planner thread prefetches the next steps' tensors, with the schedule's
+///   farthest-next-use eviction, and never lets the window's working set exceed the budget.
+/// - A step that differs from the trace (skipped, reordered, unexpected tensors) is resynced
+///   to the trace when its name appears further on, else served on demand; the trace is kept
+///   and the run never hangs.
+/// - One thread drives the steps; the planner and write-back threads are internal.
+class PrefetchPipeline {
+ public:
+  explicit PrefetchPipeline(Runtime& runtime, PipelineOptions options = {});
+  PrefetchPipeline(const PrefetchPipeline&) = delete;
+  PrefetchPipeline& operator=(const PrefetchPipeline&) = delete;
+  ~PrefetchPipeline();
+
+  void set_schedule(Schedule schedule);
+  [[nodiscard]] const Schedule& schedule() const noexcept { return schedule_; }
+  [[nodiscard]] bool recording() const noexcept { return schedule_.empty(); }
+
+  void begin_iteration();
+  StepLeases begin_step(const std::string& name, std::vector<TensorUse> uses);
+  void end_step(StepLeases leases);
+  /// Waits for this iteration's write-backs; a recording becomes the schedule.
+  void end_iteration();
+
+  [[nodiscard]] PipelineStats stats() const;
+  /// Tensors in the order the planner prefetched them, per iteration (tests, tools).
+  [[nodiscard]] std::vector<std::vector<TensorId>> prefetch_log() const;
+
+ private:
+  struct Oracle;
+  void plan();
+  void write_back_loop();
+  void publish_schedule();
+
+  Runtime& rt_;
+  PipelineOptions options_;
+  Schedule schedule_;
+  Schedule recording_;
+
+  mutable std::mutex mutex_;
+  std::condition_variable wake_;     // planner and write-back threads
+  std::condition_variable drained_;  // write-backs done
+  std::size_t iteration_ = 0;
+  std::atomic<std::size_t> cursor_{0};  ///< global step index: iteration * N + step
+  bool started_ = false;                // a step of this iteration has begun
+  std::size_t next_to_issue_ = 0;       ///< global step whose tensors the planner issues next
+  std::deque<TensorId> write_back_queue_;
+  std::size_t write_backs_in_flight_ = 0;
+  bool stopping_ = false;
+  bool plan_requested_ = false;  // the cursor moved: the planner looks again
+  PipelineStats stats_;
+  std::vector<std::vector<TensorId>> prefetch_log_;
+  std::uint64_t last_step_ns_ = 0;
+  std::uint64_t step_begin_ns_ = 0;
+  std::uint64_t device_bytes_in_at_begin_ = 0;
+  std::shared_ptr<Oracle> oracle_;  // the schedule as the eviction policy sees it
+  std::thread planner_;
+  std::thread writer_;
+};
+
+}  // namespace strata

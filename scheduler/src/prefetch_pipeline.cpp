@@ -1,0 +1,318 @@
+#include "strata/scheduler/prefetch_pipeline.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <unordered_set>
+
+#include "strata/io/error.h"
+
+namespace strata {
+namespace {
+
+std::uint64_t now_ns() {
+  return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                        std::chrono::steady_clock::now().time_since_epoch())
+                                        .count());
+}
+
+}  // namespace
+
+// The schedule and the step being computed, shared with the eviction policy, which the runtime
+// calls with its own lock held: this lock is always taken last.
+struct PrefetchPipeline::Oracle {
+  std::mutex mutex;
+  std::shared_ptr<const Schedule> schedule;
+  const std::atomic<std::size_t>* cursor = nullptr;
+
+  std::uint64_t distance(TensorId tensor) {
+    std::shared_ptr<const Schedule> s;
+    {
+      std::lock_guard lock(mutex);
+      s = schedule;
+    }
+    if (!s || s->empty()) return std::numeric_limits<std::uint64_t>::max();
+    const std::size_t local = cursor->load() % s->size();
+    const std::size_t next = s->next_use(tensor, local, /*cyclic=*/true);
+    return next == Schedule::kNever ? std::numeric_limits<std::uint64_t>::max() : next - local;
+  }
+};
+
+Lease& StepLeases::of(TensorId tensor) {
+  for (std::size_t i = 0; i < uses_.size(); ++i)
+    if (uses_[i].tensor == tensor) return leases_[i];
+  STRATA_FAIL(Errc::not_found, "step does not use tensor ", tensor);
+}
+
+void StepLeases::wait() const {
+  for (const Lease& l : leases_)
+    l.wait();
+}
+
+void StepLeases::wait_on(Stream& stream) const {
+  for (const Lease& l : leases_)
+    if (Event* e = l.event()) stream.wait(*e);
+}
+
+PrefetchPipeline::PrefetchPipeline(Runtime& runtime, PipelineOptions options)
+    : rt_(runtime), options_(options) {
+  STRATA_EXPECTS(options_.budget_fraction > 0 && options_.budget_fraction <= 1,
+                 "budget_fraction: ", options_.budget_fraction, " is outside (0, 1]");
+  STRATA_EXPECTS(options_.prefetch != PrefetchMode::Fixed || options_.fixed_lookahead >= 1,
+                 "fixed_lookahead: must be >= 1");
+  oracle_ = std::make_shared<Oracle>();
+  oracle_->cursor = &cursor_;
+  if (options_.belady) {
+    rt_.set_eviction_policy(std::make_shared<FarthestNextUsePolicy>(
+        [oracle = oracle_](TensorId t) { return oracle->distance(t); }));
+  }
+  planner_ = std::thread([this] { plan(); });
+  writer_ = std::thread([this] { write_back_loop(); });
+}
+
+PrefetchPipeline::~PrefetchPipeline() {
+  {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+  }
+  wake_.notify_all();
+  planner_.join();
+  writer_.join();
+  if (options_.belady) rt_.set_eviction_policy(std::make_shared<LruPolicy>());
+}
+
+void PrefetchPipeline::publish_schedule() {
+  std::lock_guard lock(oracle_->mutex);
+  oracle_->schedule = std::make_shared<const Schedule>(schedule_);
+}
+
+void PrefetchPipeline::set_schedule(Schedule schedule) {
+  {
+    std::lock_guard lock(mutex_);
+    schedule_ = std::move(schedule);
+    recording_ = Schedule{};
+    publish_schedule();
+    plan_requested_ = true;
+  }
+  wake_.notify_all();
+}
+
+void PrefetchPipeline::begin_iteration() {
+  std::lock_guard lock(mutex_);
+  prefetch_log_.emplace_back();
+  started_ = false;
+  if (!schedule_.empty()) {
+    cursor_.store(iteration_ * schedule_.size());
+    next_to_issue_ = std::max(next_to_issue_, iteration_ * schedule_.size());
+  }
+  plan_requested_ = true;
+  wake_.notify_all();
+}
+
+StepLeases PrefetchPipeline::begin_step(const std::string& name, std::vector<TensorUse> uses) {
+  StepLeases out;
+  {
+    std::unique_lock lock(mutex_);
+    ++stats_.steps;
+    const std::uint64_t now = now_ns();
+    if (schedule_.empty()) {
+      recording_.append({name, uses});  // first iteration: record, serve on demand
+    } else {
+      const std::size_t n = schedule_.size();
+      const std::size_t expected = started_ ? cursor_.load() + 1 : iteration_ * n;
+      const std::size_t base = expected / n * n;
+      std::size_t found = Schedule::kNever;
+      for (std::size_t k = expected % n; k < n; ++k) {
+        if (schedule_.steps()[k].name == name) {
+          found = base + k;
+          break;
+        }
+      }
+      if (found == expected && schedule_.steps()[expected % n].uses == uses) {
+        out.traced_ = true;
+      } else if (found != Schedule::kNever) {
+        ++stats_.divergences;  // skipped steps or different tensors: resync to the trace
+        ++stats_.resyncs;
+        out.traced_ = true;
+      } else {
+        ++stats_.divergences;  // not in the trace: on demand, the trace stays as it was
+        ++stats_.on_demand;
+      }
+      if (found != Schedule::kNever) {
+        cursor_.store(found);
+        next_to_issue_ = std::max(next_to_issue_, found + 1);
+      }
+      started_ = true;
+      out.step_ = cursor_.load();
+      // Measured link rate: bytes that arrived on the device since the last step began.
+      const TierStats d = rt_.tier_stats(Tier::Device);
+      if (last_step_ns_ != 0 && now > last_step_ns_) {
+        const double seconds = static_cast<double>(now - last_step_ns_) / 1e9;
+        const double gbps =
+            static_cast<double>(d.bytes_in - device_bytes_in_at_begin_) / seconds / 1e9;
+        if (gbps > 0)
+          stats_.measured_gbps =
+              stats_.measured_gbps == 0 ? gbps : 0.8 * stats_.measured_gbps + 0.2 * gbps;
+      }
+      device_bytes_in_at_begin_ = d.bytes_in;
+    }
+    last_step_ns_ = now;
+    plan_requested_ = true;
+    stats_.inputs += uses.size();
+    for (const TensorUse& u : uses)
+      if (rt_.resident(u.tensor, u.tier)) ++stats_.ready_at_begin;
+  }
+  wake_.notify_all();
+  out.uses_ = uses;
+  for (const TensorUse& u : uses) {
+    const Access a = u.use == Use::Read    ? Access::Read
+                     : u.use == Use::Write ? Access::Write
+                                           : Access::ReadWrite;
+    out.leases_.push_back(rt_.acquire(u.tensor, u.tier, a).get());
+  }
+  std::lock_guard lock(mutex_);
+  step_begin_ns_ = now_ns();
+  return out;
+}
+
+void PrefetchPipeline::end_step(StepLeases leases) {
+  const std::uint64_t end = now_ns();
+  for (Lease& l : leases.leases_)
+    l.release();
+  std::lock_guard lock(mutex_);
+  const double compute = static_cast<double>(end - step_begin_ns_) / 1e9;
+  stats_.compute_s_per_step =
+      stats_.compute_s_per_step == 0 ? compute : 0.8 * stats_.compute_s_per_step + 0.2 * compute;
+  if (stats_.compute_s_per_step > 0 && stats_.measured_gbps > 0 && !schedule_.empty()) {
+    std::uint64_t bytes = 0;
+    for (const TensorUse& u : leases.uses_)
+      bytes += rt_.describe(u.tensor).bytes;
+    const double transfer = static_cast<double>(bytes) / (stats_.measured_gbps * 1e9);
+    stats_.needed_lookahead_steps =
+        static_cast<std::size_t>(std::ceil(transfer / stats_.compute_s_per_step));
+  }
+  // Write back what this step wrote for the last time in the iteration.
+  if (options_.write_back && leases.traced_ && !schedule_.empty()) {
+    const std::size_t local = leases.step_ % schedule_.size();
+    for (const TensorUse& u : leases.uses_) {
+      if (u.use == Use::Read || u.tier != Tier::Device) continue;
+      if (schedule_.next_use(u.tensor, local + 1) == Schedule::kNever)
+        write_back_queue_.push_back(u.tensor);
+    }
+  }
+  wake_.notify_all();
+}
+
+void PrefetchPipeline::end_iteration() {
+  std::unique_lock lock(mutex_);
+  drained_.wait(lock, [&] { return write_back_queue_.empty() && write_backs_in_flight_ == 0; });
+  if (schedule_.empty() && !recording_.empty()) {
+    schedule_ = std::move(recording_);
+    recording_ = Schedule{};
+    publish_schedule();
+  }
+  ++iteration_;
+  started_ = false;
+  if (!schedule_.empty()) next_to_issue_ = std::max(next_to_issue_, iteration_ * schedule_.size());
+  plan_requested_ = true;
+  wake_.notify_all();
+}
+
+void PrefetchPipeline::plan() {
+  const double budget =
+      static_cast<double>(rt_.backend().info().budget_bytes) * options_.budget_fraction;
+  std::unique_lock lock(mutex_);
+  for (;;) {
+    wake_.wait(lock, [&] {
+      return stopping_ || (plan_requested_ && !schedule_.empty() &&
+                           options_.prefetch != PrefetchMode::None && !prefetch_log_.empty());
+    });
+    if (stopping_) return;
+    plan_requested_ = false;
+    const std::size_t n = schedule_.size();
+    const std::size_t current = cursor_.load();
+    // The window: steps from the current one on whose distinct tensors fit the budget.
+    std::unordered_set<TensorId> window;
+    std::uint64_t window_bytes = 0;
+    std::vector<std::pair<TensorId, Tier>> issue;
+    std::size_t last = current;
+    for (std::size_t j = current; j < current + n; ++j) {
+      if (options_.prefetch == PrefetchMode::Fixed && j > current + options_.fixed_lookahead) break;
+      bool fits = true;
+      std::vector<TensorId> fresh;
+      std::uint64_t fresh_bytes = 0;
+      for (const TensorUse& u : schedule_.steps()[j % n].uses) {
+        if (u.tier != Tier::Device || window.contains(u.tensor)) continue;
+        fresh.push_back(u.tensor);
+        fresh_bytes += rt_.describe(u.tensor).bytes;
+      }
+      if (static_cast<double>(window_bytes + fresh_bytes) > budget) fits = false;
+      if (!fits) break;
+      window.insert(fresh.begin(), fresh.end());
+      window_bytes += fresh_bytes;
+      last = j;
+      if (j > current && j >= next_to_issue_) {
+        for (const TensorUse& u : schedule_.steps()[j % n].uses)
+          issue.emplace_back(u.tensor, u.tier);
+        next_to_issue_ = j + 1;
+      }
+    }
+    stats_.max_window_bytes = std::max(stats_.max_window_bytes, window_bytes);
+    stats_.max_lookahead_steps = std::max(stats_.max_lookahead_steps, last - current);
+    if (issue.empty()) continue;
+    std::vector<TensorId>& log = prefetch_log_.back();
+    lock.unlock();
+    std::size_t issued = 0;
+    for (const auto& [tensor, tier] : issue) {
+      try {
+        rt_.prefetch(tensor, tier);
+        ++issued;
+      } catch (const Error&) {
+        break;  // no room right now (leases): retried when the cursor moves
+      }
+    }
+    lock.lock();
+    for (std::size_t i = 0; i < issued; ++i)
+      log.push_back(issue[i].first);
+    stats_.prefetches += issued;
+    if (issued < issue.size()) {
+      next_to_issue_ = std::min(next_to_issue_, current + 1);  // again when the next step begins
+    }
+  }
+}
+
+void PrefetchPipeline::write_back_loop() {
+  std::unique_lock lock(mutex_);
+  for (;;) {
+    wake_.wait(lock, [&] { return stopping_ || !write_back_queue_.empty(); });
+    if (write_back_queue_.empty()) return;  // stopping
+    const TensorId tensor = write_back_queue_.front();
+    write_back_queue_.pop_front();
+    ++write_backs_in_flight_;
+    lock.unlock();
+    bool done = false;
+    try {
+      rt_.evict(tensor, Tier::Device);  // d2h stream, then NVMe through the io engine if needed
+      done = true;
+    } catch (const Error&) {
+      // Leased again already, or the write-back failed: the copy stays where it was.
+    }
+    lock.lock();
+    --write_backs_in_flight_;
+    if (done) ++stats_.write_backs;
+    drained_.notify_all();
+  }
+}
+
+PipelineStats PrefetchPipeline::stats() const {
+  std::lock_guard lock(mutex_);
+  return stats_;
+}
+
+std::vector<std::vector<TensorId>> PrefetchPipeline::prefetch_log() const {
+  std::lock_guard lock(mutex_);
+  return prefetch_log_;
+}
+
+}  // namespace strata
