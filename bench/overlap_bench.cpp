@@ -83,7 +83,11 @@ struct Compute {
   std::vector<std::byte> scratch;  // device bytes copied back when not host-addressable
 };
 
-void run(const Args& args) {
+void run(Args args) {
+  if (!args.json && args.trace.empty() && args.svg.empty()) {  // the demo says where they went
+    args.trace = "strata-overlap-trace.json";
+    args.svg = "strata-overlap.svg";
+  }
   const std::size_t layer_bytes = parse_bytes(args.layer_bytes, "--layer-bytes");
   STRATA_EXPECTS(args.layers >= 2, "--layers: need at least 2");
   STRATA_EXPECTS(args.home == "nvme" || args.home == "host", "--home: \"", args.home,

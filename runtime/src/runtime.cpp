@@ -1039,14 +1039,14 @@ void Runtime::prefetch(TensorId id, Tier tier) {
   rt.ensure(lock, t, tier, /*count=*/false);
 }
 
-void Runtime::evict(TensorId id, Tier tier) {
+bool Runtime::evict(TensorId id, Tier tier) {
   Impl& rt = *impl_;
   std::unique_lock lock(rt.mutex);
   TensorState& t = rt.get(id);
   Copy& c = t.copies[idx(tier)];
   rt.changed.wait(lock,
                   [&] { return c.state != CopyState::Loading && c.state != CopyState::Evicting; });
-  if (!c.has_space()) return;
+  if (!c.has_space()) return false;
   STRATA_EXPECTS(c.leases == 0, "evict \"", t.desc.name, "\" from ", to_string(tier),
                  ": it is leased there");
   if (rt.dirty(t, tier) && !rt.below(tier) && !(tier == Tier::Device && rt.swap)) {
@@ -1054,7 +1054,10 @@ void Runtime::evict(TensorId id, Tier tier) {
                 ": it is the only copy and there is no tier below");
   }
   rt.changed.wait(lock, [&] { return c.pins == 0; });
+  if (!c.has_space()) return false;
+  const bool dirty = rt.dirty(t, tier);
   rt.evict_copy(lock, t, tier);
+  return dirty;
 }
 
 void Runtime::read(TensorId id, void* dst, std::size_t bytes) {

@@ -141,7 +141,7 @@ StepLeases PrefetchPipeline::begin_step(const std::string& name, std::vector<Ten
       }
       if (found != Schedule::kNever) {
         cursor_.store(found);
-        next_to_issue_ = std::max(next_to_issue_, found + 1);
+        next_to_issue_ = std::max(next_to_issue_, found);  // skipped steps are not prefetched
       }
       started_ = true;
       out.step_ = cursor_.load();
@@ -252,7 +252,9 @@ void PrefetchPipeline::plan() {
       window.insert(fresh.begin(), fresh.end());
       window_bytes += fresh_bytes;
       last = j;
-      if (j > current && j >= next_to_issue_) {
+      // Every step of the schedule is issued once, in order, even one that has just begun (the
+      // prefetch then joins its load): the order does not depend on how the threads interleave.
+      if (j >= next_to_issue_) {
         for (const TensorUse& u : schedule_.steps()[j % n].uses)
           issue.emplace_back(u.tensor, u.tier);
         next_to_issue_ = j + 1;
@@ -261,7 +263,7 @@ void PrefetchPipeline::plan() {
     stats_.max_window_bytes = std::max(stats_.max_window_bytes, window_bytes);
     stats_.max_lookahead_steps = std::max(stats_.max_lookahead_steps, last - current);
     if (issue.empty()) continue;
-    std::vector<TensorId>& log = prefetch_log_.back();
+    const std::size_t log_index = prefetch_log_.size() - 1;  // the log may grow meanwhile
     lock.unlock();
     std::size_t issued = 0;
     for (const auto& [tensor, tier] : issue) {
@@ -274,7 +276,7 @@ void PrefetchPipeline::plan() {
     }
     lock.lock();
     for (std::size_t i = 0; i < issued; ++i)
-      log.push_back(issue[i].first);
+      prefetch_log_[log_index].push_back(issue[i].first);
     stats_.prefetches += issued;
     if (issued < issue.size()) {
       next_to_issue_ = std::min(next_to_issue_, current + 1);  // again when the next step begins
@@ -293,8 +295,9 @@ void PrefetchPipeline::write_back_loop() {
     lock.unlock();
     bool done = false;
     try {
-      rt_.evict(tensor, Tier::Device);  // d2h stream, then NVMe through the io engine if needed
-      done = true;
+      // d2h stream, then NVMe through the io engine when the host is full. False when the copy
+      // was clean already (an eviction for room wrote it back first).
+      done = rt_.evict(tensor, Tier::Device);
     } catch (const Error&) {
       // Leased again already, or the write-back failed: the copy stays where it was.
     }

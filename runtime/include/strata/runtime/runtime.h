@@ -159,7 +159,8 @@ class Runtime {
   /// Starts moving the tensor to `tier` and returns (making room may evict first).
   void prefetch(TensorId tensor, Tier tier);
   /// Demotes: writes the copy on `tier` back below if it is the newest, then drops it. Blocks.
-  void evict(TensorId tensor, Tier tier);
+  /// Returns true when a write-back happened (false: the copy was clean, or not there).
+  bool evict(TensorId tensor, Tier tier);
   /// Copies the tensor's newest bytes to / from a user buffer, whichever tier holds them.
   void read(TensorId tensor, void* dst, std::size_t bytes);
   void write(TensorId tensor, const void* src, std::size_t bytes);
