@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <mutex>
 
+#include "callback_future.h"
 #include "engines.h"
 #include "strata/io/error.h"
 #include "strata/io/pages.h"
@@ -107,15 +108,9 @@ void IoEngine::submit(const IoRequest& request, IoCallback done) {
 }
 
 std::future<void> IoEngine::submit(const IoRequest& request) {
-  auto promise = std::make_shared<std::promise<void>>();
-  std::future<void> future = promise->get_future();
-  submit(request, [promise](std::exception_ptr error) {
-    if (error)
-      promise->set_exception(error);
-    else
-      promise->set_value();
-  });
-  return future;
+  auto [callback, future] = detail::callback_with_future();
+  submit(request, std::move(callback));
+  return std::move(future);
 }
 
 bool fault_injection_available() noexcept {
@@ -126,9 +121,10 @@ bool fault_injection_available() noexcept {
 #endif
 }
 
-std::int64_t IoEngine::inject(IoOp op, std::int64_t result, std::size_t bytes) noexcept {
+std::int64_t IoEngine::inject(IoOp op, std::int64_t result,
+                              [[maybe_unused]] std::size_t bytes) noexcept {
 #ifdef STRATA_NO_FAULT_INJECTION
-  (void)op, (void)bytes;
+  (void)op;
   return result;
 #endif
   if (options_.faults.empty()) return result;

@@ -35,6 +35,14 @@ void RangeAllocator::erase_free(std::map<std::uint64_t, std::uint64_t>::iterator
   free_by_offset_.erase(it);
 }
 
+void RangeAllocator::add_live(std::uint64_t offset, std::uint64_t size) {
+  live_.emplace(offset, size);
+  stats_.current_bytes += size;
+  stats_.peak_bytes = std::max(stats_.peak_bytes, stats_.current_bytes);
+  stats_.peak_reserved_bytes = std::max(stats_.peak_reserved_bytes, offset + size);
+  ++stats_.allocations;
+}
+
 std::uint64_t RangeAllocator::largest_free() const noexcept {
   return free_by_size_.empty() ? 0 : free_by_size_.rbegin()->first;
 }
@@ -69,11 +77,7 @@ std::optional<std::uint64_t> RangeAllocator::try_allocate(std::uint64_t bytes,
     free_by_offset_.erase(block_offset);
     if (head > 0) insert_free(block_offset, head);
     if (tail > 0) insert_free(start + size, tail);
-    live_.emplace(start, size);
-    stats_.current_bytes += size;
-    stats_.peak_bytes = std::max(stats_.peak_bytes, stats_.current_bytes);
-    stats_.peak_reserved_bytes = std::max(stats_.peak_reserved_bytes, start + size);
-    ++stats_.allocations;
+    add_live(start, size);
     return start;
   }
   ++stats_.failed_allocations;
@@ -94,11 +98,7 @@ bool RangeAllocator::allocate_at(std::uint64_t offset, std::uint64_t bytes) {
   if (offset > block_offset) insert_free(block_offset, offset - block_offset);
   if (block_offset + block_bytes > offset + size)
     insert_free(offset + size, block_offset + block_bytes - offset - size);
-  live_.emplace(offset, size);
-  stats_.current_bytes += size;
-  stats_.peak_bytes = std::max(stats_.peak_bytes, stats_.current_bytes);
-  stats_.peak_reserved_bytes = std::max(stats_.peak_reserved_bytes, offset + size);
-  ++stats_.allocations;
+  add_live(offset, size);
   return true;
 }
 

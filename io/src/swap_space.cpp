@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstring>
 
+#include "callback_future.h"
 #include "strata/io/crc32c.h"
 #include "strata/io/error.h"
 #include "strata/io/pages.h"
@@ -398,28 +399,16 @@ void SwapSpace::start(std::shared_ptr<Transfer> t) {
 
 std::future<void> SwapSpace::write(ExtentId id, const void* data, std::size_t bytes,
                                    std::uint64_t offset) {
-  auto promise = std::make_shared<std::promise<void>>();
-  auto future = promise->get_future();
-  write(id, offset, data, bytes, [promise](std::exception_ptr error) {
-    if (error)
-      promise->set_exception(error);
-    else
-      promise->set_value();
-  });
-  return future;
+  auto [callback, future] = detail::callback_with_future();
+  write(id, offset, data, bytes, std::move(callback));
+  return std::move(future);
 }
 
 std::future<void> SwapSpace::read(ExtentId id, void* data, std::size_t bytes,
                                   std::uint64_t offset) {
-  auto promise = std::make_shared<std::promise<void>>();
-  auto future = promise->get_future();
-  read(id, offset, data, bytes, [promise](std::exception_ptr error) {
-    if (error)
-      promise->set_exception(error);
-    else
-      promise->set_value();
-  });
-  return future;
+  auto [callback, future] = detail::callback_with_future();
+  read(id, offset, data, bytes, std::move(callback));
+  return std::move(future);
 }
 
 }  // namespace strata

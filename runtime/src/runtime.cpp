@@ -337,22 +337,27 @@ struct Runtime::Impl {
         if (s.free_bytes >= align_up(t.desc.bytes, kPageBytes) && compact(tier, t.desc.bytes))
           continue;
       }
-      // Let copies still arriving on this tier land first, so the policy sees every candidate
-      // (an in-flight copy cannot be evicted, and skipping it would break LRU order).
-      bool landing = false;
-      for (auto& [id, o] : tensors)
-        if (o.get() != &t && o->copies[idx(tier)].state == CopyState::Loading) landing = true;
-      if (landing) {
-        changed.wait(lock);
-        continue;
-      }
+      // Copies still landing are shown to the policy too: if it would rather evict one of those,
+      // wait for it to land; otherwise evict its choice now, without waiting for the link.
       auto candidates = evictable(tier, t);
+      std::vector<TensorState*> landing;
+      for (auto& [id, o] : tensors) {
+        const Copy& c = o->copies[idx(tier)];
+        if (o.get() != &t && c.state == CopyState::Loading && c.leases == 0 && c.pins == 0)
+          landing.push_back(o.get());
+      }
       if (!candidates.empty()) {
         std::vector<EvictionCandidate> view;
         for (TensorState* c : candidates)
           view.push_back({c->id, c->desc.bytes, c->copies[idx(tier)].last_use, dirty(*c, tier)});
+        for (TensorState* c : landing)
+          view.push_back({c->id, c->desc.bytes, c->copies[idx(tier)].last_use, false});
         const std::size_t pick = policy->choose(tier, view);
-        evict_copy(lock, *candidates.at(pick), tier);
+        if (pick >= candidates.size()) {
+          changed.wait(lock);  // the policy's victim is still landing
+          continue;
+        }
+        evict_copy(lock, *candidates[pick], tier);
         continue;
       }
       // Copies still arriving become evictable once they land; wait for them, else give up.
@@ -496,26 +501,22 @@ struct Runtime::Impl {
       });
       return;
     }
-    if (src == Tier::Nvme && dst == Tier::Host) {
+    if ((src == Tier::Nvme && dst == Tier::Host) || (src == Tier::Host && dst == Tier::Nvme)) {
+      const bool read = src == Tier::Nvme;
+      const ExtentId extent = read ? s.extent : d.extent;
+      std::byte* ptr = read ? d.ptr : s.ptr;
       const std::uint64_t submitted = telemetry.now_ns();
-      io_after_unlock_.push_back(
-          [this, tp, dst, src, version, submitted, bytes, extent = s.extent, ptr = d.ptr] {
-            swap->read(extent, 0, ptr, bytes, [=, this](std::exception_ptr e) {
-              telemetry.record({submitted, telemetry.now_ns(), Track::NvmeRead, bytes, tp->id, 0});
-              finish_move(*tp, dst, src, e, version);
-            });
-          });
-      return;
-    }
-    if (src == Tier::Host && dst == Tier::Nvme) {
-      const std::uint64_t submitted = telemetry.now_ns();
-      io_after_unlock_.push_back(
-          [this, tp, dst, src, version, submitted, bytes, extent = d.extent, ptr = s.ptr] {
-            swap->write(extent, 0, ptr, bytes, [=, this](std::exception_ptr e) {
-              telemetry.record({submitted, telemetry.now_ns(), Track::NvmeWrite, bytes, tp->id, 0});
-              finish_move(*tp, dst, src, e, version);
-            });
-          });
+      io_after_unlock_.push_back([=, this] {
+        auto done = [=, this](std::exception_ptr e) {
+          telemetry.record({submitted, telemetry.now_ns(),
+                            read ? Track::NvmeRead : Track::NvmeWrite, bytes, tp->id, 0});
+          finish_move(*tp, dst, src, e, version);
+        };
+        if (read)
+          swap->read(extent, 0, ptr, bytes, std::move(done));
+        else
+          swap->write(extent, 0, ptr, bytes, std::move(done));
+      });
       return;
     }
     // Nvme <-> Device: a pipeline of chunks.
@@ -738,6 +739,12 @@ struct Runtime::Impl {
         c.ready = true;
         return;
       }
+      // A write lease on a copy still finishing its load makes that copy the only current one
+      // before it is Valid: wait for the load to land rather than pick no source.
+      if (!t.current(Tier::Device) && !t.current(Tier::Host) && !t.current(Tier::Nvme)) {
+        changed.wait(lock);
+        continue;
+      }
       if (count) ++stats[idx(tier)].misses;
       count = false;  // one request counts once, however often it loops
       const Tier src = source_for(t, tier);
@@ -755,6 +762,7 @@ struct Runtime::Impl {
       if (now.state == CopyState::Loading || now.state == CopyState::Evicting || t.current(tier))
         continue;
       start_load(lock, t, tier, source_for(t, tier));
+      t.copies[idx(tier)].last_use = ++clock;  // a prefetch announces a use: not LRU's victim
       run_after_unlock(lock);
       return;
     }

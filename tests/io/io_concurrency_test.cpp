@@ -52,7 +52,7 @@ TEST_P(IoConcurrency, SwapExtentsFromSixThreadsKeepTheirBytes) {
 
 INSTANTIATE_TEST_SUITE_P(Engines, IoConcurrency,
                          ::testing::Values(EngineKind::Uring, EngineKind::Posix),
-                         [](const auto& info) { return std::string(to_string(info.param)); });
+                         [](const auto& p) { return std::string(to_string(p.param)); });
 
 }  // namespace
 }  // namespace strata::testing

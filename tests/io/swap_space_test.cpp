@@ -230,7 +230,7 @@ TEST_P(SwapSpaceTest, MappedFileExtentsReadAtAnyOffset) {
 
 INSTANTIATE_TEST_SUITE_P(Engines, SwapSpaceTest,
                          ::testing::Values(EngineKind::Uring, EngineKind::Posix),
-                         [](const auto& info) { return std::string(to_string(info.param)); });
+                         [](const auto& p) { return std::string(to_string(p.param)); });
 
 TEST(SwapSpace, MissingDirectoryIsAnErrorNamingThePath) {
   IoOptions io;

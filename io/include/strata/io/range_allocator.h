@@ -79,6 +79,7 @@ class RangeAllocator {
  private:
   void insert_free(std::uint64_t offset, std::uint64_t bytes);
   void erase_free(std::map<std::uint64_t, std::uint64_t>::iterator it);
+  void add_live(std::uint64_t offset, std::uint64_t size);
   [[nodiscard]] std::uint64_t reserved_end() const noexcept;
 
   std::string name_;
