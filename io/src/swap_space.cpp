@@ -216,6 +216,18 @@ std::vector<ExtentPiece> SwapSpace::pieces(ExtentId id) const {
   return out;
 }
 
+std::shared_ptr<SwapSpace::Transfer> SwapSpace::make_transfer(IoOp op, std::shared_ptr<Extent> e,
+                                                              void* data, std::size_t bytes,
+                                                              IoCallback done) {
+  auto t = std::make_shared<Transfer>();
+  t->op = op;
+  t->extent = std::move(e);
+  t->user = static_cast<std::byte*>(data);
+  t->bytes = bytes;
+  t->done = std::move(done);
+  return t;
+}
+
 // Note [Staging for unaligned transfers]: O_DIRECT needs page-aligned buffers, offsets and
 // lengths. An aligned buffer goes to the engine as it is for its whole pages; the last partial
 // page, or all of an unaligned buffer, goes through page-aligned staging (zero-padded on
@@ -256,17 +268,13 @@ void SwapSpace::write(ExtentId id, std::uint64_t offset, const void* data, std::
   STRATA_EXPECTS(offset + bytes <= e->bytes, "write of ", bytes, " bytes at offset ", offset,
                  " into extent ", id, " of ", e->bytes, " bytes");
   STRATA_EXPECTS(bytes == 0 || data != nullptr, "write of ", bytes, " bytes from null");
-  auto t = std::make_shared<Transfer>();
-  t->op = IoOp::Write;
-  t->extent = e;
-  t->user = const_cast<std::byte*>(static_cast<const std::byte*>(data));
-  t->bytes = bytes;
-  t->done = std::move(done);
-  t->pieces = layout(*e, offset, bytes);
+  auto t =
+      make_transfer(IoOp::Write, std::move(e), const_cast<void*>(data), bytes, std::move(done));
+  t->pieces = layout(*t->extent, offset, bytes);
   if (options_.checksums)
     for (const Piece& p : t->pieces)
       t->new_crcs.push_back(crc32c(t->user + p.at, p.bytes));
-  add_ops(*t, *e, offset, bytes);
+  add_ops(*t, *t->extent, offset, bytes);
   start(std::move(t));
 }
 
@@ -276,12 +284,7 @@ void SwapSpace::read(ExtentId id, std::uint64_t offset, void* data, std::size_t 
   STRATA_EXPECTS(offset + bytes <= e->bytes, "read of ", bytes, " bytes at offset ", offset,
                  " from extent ", id, " of ", e->bytes, " bytes");
   STRATA_EXPECTS(bytes == 0 || data != nullptr, "read of ", bytes, " bytes into null");
-  auto t = std::make_shared<Transfer>();
-  t->op = IoOp::Read;
-  t->extent = e;
-  t->user = static_cast<std::byte*>(data);
-  t->bytes = bytes;
-  t->done = std::move(done);
+  auto t = make_transfer(IoOp::Read, e, data, bytes, std::move(done));
   const bool aligned = reinterpret_cast<std::uintptr_t>(data) % kPageBytes == 0;
 
   if (e->mapped) {

@@ -101,6 +101,8 @@ class SwapSpace {
 
   std::vector<Piece> layout(const Extent& e, std::uint64_t from, std::uint64_t bytes) const;
   void add_ops(struct Transfer& t, const Extent& e, std::uint64_t offset, std::size_t bytes);
+  static std::shared_ptr<Transfer> make_transfer(IoOp op, std::shared_ptr<Extent> e, void* data,
+                                                 std::size_t bytes, IoCallback done);
   std::shared_ptr<Extent> find(ExtentId id) const;
   void start(std::shared_ptr<Transfer> t);
 
