@@ -11,6 +11,7 @@ void register_alloc(CLI::App& app);
 void register_copy(CLI::App& app);
 void register_io(CLI::App& app);
 void register_overlap(CLI::App& app);
+void register_adam(CLI::App& app);
 }  // namespace strata::bench
 
 int main(int argc, char** argv) {
@@ -20,6 +21,7 @@ int main(int argc, char** argv) {
   strata::bench::register_copy(app);
   strata::bench::register_io(app);
   strata::bench::register_overlap(app);
+  strata::bench::register_adam(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,0 +1,228 @@
+// Note [Adam kernel dispatch]: the kernel is one plain loop that GCC vectorises, compiled for
+// AVX-512, AVX2 and a baseline through target_clones; the loader picks the clone for this CPU
+// (ifunc), so the binary is not tied to the build machine's -march. The file is compiled with
+// -fno-math-errno so sqrt vectorises. Formulas follow torch.optim.Adam/AdamW (foreach=False):
+//   Adam:  g += wd * p
+//   AdamW: p *= 1 - lr * wd
+//   m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
+//   p -= (lr / (1 - b1^t)) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+#include "strata/optim/adam.h"
+
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+
+#include <bit>
+#include <cmath>
+#include <cstring>
+
+#include "strata/io/error.h"
+
+namespace strata::optim {
+
+namespace {
+// Branch-free and inline, so the kernel's loop vectorises through them.
+inline float widen_bf16(std::uint16_t v) {
+  return std::bit_cast<float>(static_cast<std::uint32_t>(v) << 16);
+}
+inline std::uint16_t narrow_bf16(float f) {
+  const std::uint32_t bits = std::bit_cast<std::uint32_t>(f);
+  const std::uint32_t rounded = bits + 0x7FFFu + ((bits >> 16) & 1u);
+  const bool nan = (bits & 0x7FFFFFFFu) > 0x7F800000u;
+  return static_cast<std::uint16_t>(nan ? (bits >> 16) | 0x40u : rounded >> 16);  // quiet NaN
+}
+}  // namespace
+
+float bf16_to_float(std::uint16_t v) noexcept {
+  return widen_bf16(v);
+}
+std::uint16_t float_to_bf16(float f) noexcept {
+  return narrow_bf16(f);
+}
+
+float f16_to_float(std::uint16_t h) noexcept {
+  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
+  std::uint32_t exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu, bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      exp = 127 - 15 + 1;
+      while ((mant & 0x400u) == 0) {
+        mant <<= 1;
+        --exp;
+      }
+      bits = sign | (exp << 23) | ((mant & 0x3FFu) << 13);
+    }
+  } else if (exp == 0x1F) {
+    bits = sign | 0x7F800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+std::uint16_t float_to_f16(float f) noexcept {
+  std::uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  const std::uint16_t sign = static_cast<std::uint16_t>((bits >> 16) & 0x8000u);
+  const std::uint32_t abs = bits & 0x7FFFFFFFu;
+  if (abs >= 0x7F800000u)  // inf or NaN
+    return static_cast<std::uint16_t>(sign | 0x7C00u | (abs > 0x7F800000u ? 0x200u : 0u));
+  if (abs >= 0x477FF000u) return static_cast<std::uint16_t>(sign | 0x7C00u);  // overflow: inf
+  if (abs < 0x38800000u) {  // subnormal or zero in f16
+    if (abs < 0x33000000u) return sign;
+    const std::uint32_t exp = abs >> 23, mant = (abs & 0x7FFFFFu) | 0x800000u;
+    const std::uint32_t shift = 126 - exp;  // 14 + (113 - exp) ... to a 10-bit mantissa
+    const std::uint32_t half = 1u << (shift - 1);
+    std::uint32_t m = mant >> shift;
+    const std::uint32_t rest = mant & ((1u << shift) - 1);
+    if (rest > half || (rest == half && (m & 1u))) ++m;
+    return static_cast<std::uint16_t>(sign | m);
+  }
+  std::uint32_t v = abs - 0x38000000u;  // rebias exponent 127 -> 15
+  v += 0xFFFu + ((v >> 13) & 1u);       // round to nearest even
+  return static_cast<std::uint16_t>(sign | (v >> 13));
+}
+
+namespace {
+
+struct Scalars {
+  float lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, decay_factor,
+      step_size, inv_sqrt_bc2;
+  bool decoupled;
+};
+
+Scalars scalars(const AdamConfig& c, std::uint64_t step) {
+  const double bc1 = 1.0 - std::pow(static_cast<double>(c.beta1), static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(static_cast<double>(c.beta2), static_cast<double>(step));
+  Scalars s{};
+  s.lr = c.lr;
+  s.beta1 = c.beta1;
+  s.beta2 = c.beta2;
+  s.one_minus_beta1 = 1.0f - c.beta1;
+  s.one_minus_beta2 = 1.0f - c.beta2;
+  s.eps = c.eps;
+  s.weight_decay = c.weight_decay;
+  s.decay_factor = 1.0f - c.lr * c.weight_decay;
+  s.step_size = static_cast<float>(c.lr / bc1);
+  s.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
+  s.decoupled = c.decoupled_weight_decay;
+  return s;
+}
+
+// The element update, shared by the vector kernel and the reference.
+inline float update(const Scalars& s, float& p, float& m, float& v, float g) {
+  if (s.decoupled) {
+    p *= s.decay_factor;
+  } else {
+    g += s.weight_decay * p;
+  }
+  m = s.beta1 * m + s.one_minus_beta1 * g;
+  v = s.beta2 * v + s.one_minus_beta2 * g * g;
+  const float denom = std::sqrt(v) * s.inv_sqrt_bc2 + s.eps;
+  p -= s.step_size * m / denom;
+  return p;
+}
+
+template <typename LoadGrad, typename StoreCopy>
+inline void run(const Scalars& s, float* __restrict p, float* __restrict m, float* __restrict v,
+                std::size_t n, LoadGrad load, StoreCopy store) {
+  for (std::size_t i = 0; i < n; ++i)
+    store(i, update(s, p[i], m[i], v[i], load(i)));
+}
+
+// One clone per ISA; `copy` is 0 (none), 1 (bf16) or 2 (f16); grads 0 f32, 1 bf16, 2 f16.
+__attribute__((target_clones("avx512f", "avx2", "default"))) void kernel(
+    const Scalars& s, float* __restrict p, float* __restrict m, float* __restrict v,
+    const void* __restrict grads, int grad_kind, std::uint16_t* __restrict copy, int copy_kind,
+    std::size_t n) {
+  const auto* gf = static_cast<const float*>(grads);
+  const auto* gh = static_cast<const std::uint16_t*>(grads);
+  auto none = [](std::size_t, float) {};
+  auto bf16 = [copy](std::size_t i, float x) { copy[i] = narrow_bf16(x); };
+  auto f16 = [copy](std::size_t i, float x) { copy[i] = float_to_f16(x); };
+  auto g32 = [gf](std::size_t i) { return gf[i]; };
+  auto gb = [gh](std::size_t i) { return widen_bf16(gh[i]); };
+  auto gh16 = [gh](std::size_t i) { return f16_to_float(gh[i]); };
+  auto with_grads = [&](auto load) {
+    if (copy_kind == 1)
+      run(s, p, m, v, n, load, bf16);
+    else if (copy_kind == 2)
+      run(s, p, m, v, n, load, f16);
+    else
+      run(s, p, m, v, n, load, none);
+  };
+  if (grad_kind == 0)
+    with_grads(g32);
+  else if (grad_kind == 1)
+    with_grads(gb);
+  else
+    with_grads(gh16);
+}
+
+int grad_kind(DType d) {
+  if (d == DType::F32) return 0;
+  if (d == DType::BF16) return 1;
+  if (d == DType::F16) return 2;
+  STRATA_FAIL(Errc::invalid_argument, "adam: gradients must be f32, bf16 or f16, not ",
+              to_string(d));
+}
+
+int copy_kind(const AdamArgs& a) {
+  if (a.param_copy == nullptr) return 0;
+  if (a.copy_dtype == DType::BF16) return 1;
+  if (a.copy_dtype == DType::F16) return 2;
+  STRATA_FAIL(Errc::invalid_argument, "adam: the param copy must be bf16 or f16, not ",
+              to_string(a.copy_dtype));
+}
+
+void check(const AdamArgs& a) {
+  STRATA_EXPECTS(a.step >= 1, "adam: step counts from 1, got ", a.step);
+  STRATA_EXPECTS(a.count == 0 || (a.params && a.exp_avg && a.exp_avg_sq && a.grads),
+                 "adam: a null buffer for ", a.count, " elements");
+}
+
+std::size_t grad_bytes(DType d) {
+  return d == DType::F32 ? 4 : 2;
+}
+
+}  // namespace
+
+void adam_step(const AdamConfig& config, const AdamArgs& a) {
+  check(a);
+  const Scalars s = scalars(config, a.step);
+  const int gk = grad_kind(a.grad_dtype), ck = copy_kind(a);
+  constexpr std::size_t kChunk = 1 << 16;  // 256 KiB of each fp32 state: cache-friendly tasks
+  tbb::parallel_for(tbb::blocked_range<std::size_t>(0, a.count, kChunk),
+                    [&](const tbb::blocked_range<std::size_t>& r) {
+                      const std::size_t b = r.begin(), n = r.size();
+                      kernel(s, a.params + b, a.exp_avg + b, a.exp_avg_sq + b,
+                             static_cast<const std::byte*>(a.grads) + b * grad_bytes(a.grad_dtype),
+                             gk, ck == 0 ? nullptr : static_cast<std::uint16_t*>(a.param_copy) + b,
+                             ck, n);
+                    });
+}
+
+void adam_step_reference(const AdamConfig& config, const AdamArgs& a) {
+  check(a);
+  const Scalars s = scalars(config, a.step);
+  const int gk = grad_kind(a.grad_dtype), ck = copy_kind(a);
+  for (std::size_t i = 0; i < a.count; ++i) {
+    const float g = gk == 0   ? static_cast<const float*>(a.grads)[i]
+                    : gk == 1 ? bf16_to_float(static_cast<const std::uint16_t*>(a.grads)[i])
+                              : f16_to_float(static_cast<const std::uint16_t*>(a.grads)[i]);
+    const float p = update(s, a.params[i], a.exp_avg[i], a.exp_avg_sq[i], g);
+    if (ck == 1) static_cast<std::uint16_t*>(a.param_copy)[i] = float_to_bf16(p);
+    if (ck == 2) static_cast<std::uint16_t*>(a.param_copy)[i] = float_to_f16(p);
+  }
+}
+
+std::string_view adam_isa() noexcept {
+  if (__builtin_cpu_supports("avx512f")) return "avx512f";
+  if (__builtin_cpu_supports("avx2")) return "avx2";
+  return "default";
+}
+
+}  // namespace strata::optim
