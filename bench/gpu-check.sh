@@ -35,6 +35,14 @@ for bytes in 64MiB 1GiB; do
   fi
 done
 timeout 120 "$bench" alloc --json >"$out/alloc.json" 2>&1 && note "alloc: $(cat "$out/alloc.json")"
+# The overlap demo on the GPU: NVMe -> pinned staging -> HBM while the host checks each layer.
+if timeout 180 "$bench" overlap --backend cuda --layers 32 --layer-bytes 64MiB --passes 3 --json \
+     >"$out/overlap.json" 2>"$out/overlap.err"; then
+  note "overlap (cuda): $(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print("step %.3f s, compute %.3f, transfer %.3f, roofline %.2f, overlap %.2f, verified %s" % (d["step_s"], d["compute_s"], d["transfer_s"], d["roofline"], d["overlap_efficiency"], d["verified"]))' "$out/overlap.json")"
+else
+  note "overlap (cuda): FAILED ($(tail -1 "$out/overlap.err"))"
+fi
+timeout 60 "$bench" adam --json >"$out/adam.json" 2>&1 && note "adam (cpu): $(cat "$out/adam.json")"
 
 echo
 echo "=== gpu-check summary ($((SECONDS - start)) s) ==="
