@@ -255,7 +255,7 @@ struct Runtime::Impl {
       const Copy& c = t->copies[idx(tier)];
       if (!c.has_space() || c.leases > 0 || c.pins > 0) continue;
       if (c.state != CopyState::Valid) continue;
-      if (dirty(*t, tier) && !below(tier) && !(tier == Tier::Device && swap)) continue;
+      if (dirty(*t, tier) && !below(tier)) continue;  // the only copy, nowhere to go
       out.push_back(t.get());
     }
     return out;
@@ -569,22 +569,18 @@ struct Runtime::Impl {
     p->chunk = options.staging_chunk_bytes;
     p->chunks = static_cast<std::size_t>((p->bytes + p->chunk - 1) / p->chunk);
     p->max_in_flight = options.staging_chunks;  // waiting pipelines get slots as they free
+    p->extent = t.copies[idx(Tier::Nvme)].extent;
+    p->device = t.copies[idx(Tier::Device)].ptr;
     if (p->down) {
-      p->extent = t.copies[idx(Tier::Nvme)].extent;
-      p->device = t.copies[idx(Tier::Device)].ptr;
       // Keep a host copy on the way when the host tier has room without evicting anything.
       Copy& h = t.copies[idx(Tier::Host)];
       if (h.state == CopyState::Absent && try_alloc(t, Tier::Host)) {
         h.state = CopyState::Loading;
         h.version = version;
         p->host = h.ptr;
-        p->max_in_flight = options.staging_chunks;
       }
-    } else {
-      p->extent = t.copies[idx(Tier::Nvme)].extent;
-      p->device = t.copies[idx(Tier::Device)].ptr;
+      p->event = std::shared_ptr<Event>(backend->create_event());  // device leases wait on it
     }
-    p->event = std::shared_ptr<Event>(backend->create_event());
     pump(p);
   }
 
@@ -1057,7 +1053,7 @@ bool Runtime::evict(TensorId id, Tier tier) {
   if (!c.has_space()) return false;
   STRATA_EXPECTS(c.leases == 0, "evict \"", t.desc.name, "\" from ", to_string(tier),
                  ": it is leased there");
-  if (rt.dirty(t, tier) && !rt.below(tier) && !(tier == Tier::Device && rt.swap)) {
+  if (rt.dirty(t, tier) && !rt.below(tier)) {
     STRATA_FAIL(Errc::invalid_argument, "evict \"", t.desc.name, "\" from ", to_string(tier),
                 ": it is the only copy and there is no tier below");
   }
