@@ -6,7 +6,8 @@ set -euo pipefail
 packages=(
   build-essential cmake ninja-build pkg-config git python3
   liburing-dev libtbb-dev libgtest-dev libgmock-dev googletest libbenchmark-dev
-  libcli11-dev nlohmann-json3-dev
+  libcli11-dev nlohmann-json3-dev libopenblas-dev
+  clang libclang-rt-14-dev
   fio
 )
 missing=()

@@ -82,7 +82,8 @@ struct TensorState {
   Tier home = Tier::Host;
   std::uint64_t version = 1;
   std::array<Copy, kTiers> copies;
-  int moves = 0;  // in flight
+  int moves = 0;           // in flight
+  bool discarded = false;  // no bytes anywhere until the next write
   [[nodiscard]] bool current(Tier t) const {
     const Copy& c = copies[idx(t)];
     return (c.state == CopyState::Valid || c.state == CopyState::Evicting) && c.version == version;
@@ -718,7 +719,10 @@ struct Runtime::Impl {
   // ---- residency requests ----
 
   // Makes t current on `tier` (starting a move if needed); returns with space reserved.
-  void ensure(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier, bool count) {
+  // Makes `tier` hold (or receive) the tensor's newest bytes. `access` Write only makes space
+  // (write-discard); `prefetch` requests are dropped for discarded tensors instead of failing.
+  void ensure(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier, bool count,
+              Access access, bool prefetch = false) {
     for (;;) {
       Copy& c = t.copies[idx(tier)];
       if (c.state == CopyState::Evicting ||
@@ -733,6 +737,28 @@ struct Runtime::Impl {
       if (t.current(tier)) {
         if (count) ++stats[idx(tier)].hits;
         c.ready = true;
+        return;
+      }
+      if (access == Access::Write || t.discarded) {
+        if (access != Access::Write) {
+          if (prefetch) return;
+          STRATA_FAIL(Errc::invalid_argument, "tensor \"", t.desc.name,
+                      "\" was discarded: its bytes are gone until a write lease "
+                      "(Access::Write) or write() fills it");
+        }
+        if (count) ++stats[idx(tier)].hits;  // nothing to move
+        count = false;
+        make_room(lock, t, tier);
+        const Copy& now = t.copies[idx(tier)];
+        if (now.state == CopyState::Loading || now.state == CopyState::Evicting || t.current(tier))
+          continue;
+        Copy& fresh = t.copies[idx(tier)];
+        fresh.state = CopyState::Valid;  // bytes unspecified until the write lease ends
+        fresh.version = t.version;
+        fresh.ready = true;
+        fresh.error = nullptr;
+        fresh.event.reset();
+        fresh.last_use = ++clock;
         return;
       }
       // A write lease on a copy still finishing its load makes that copy the only current one
@@ -804,6 +830,7 @@ void Lease::release() noexcept {
       if (writes(access_)) {
         t.version += 1;  // Note [Versions]: every other copy is now stale
         c.version = t.version;
+        t.discarded = false;
       }
       if (c.leases == 0 && c.ptr != nullptr) rt.stats[idx(tier_)].leased_bytes -= t.desc.bytes;
     }
@@ -1021,7 +1048,7 @@ LeaseFuture Runtime::acquire(TensorId id, Tier tier, Access access) {
                      t.desc.name, "\" on ", to_string(tier), ": it is leased on ", to_string(other),
                      "; release that lease first");
   }
-  rt.ensure(lock, t, tier, /*count=*/true);
+  rt.ensure(lock, t, tier, /*count=*/true, access);
   Copy& c = t.copies[idx(tier)];
   if (c.leases++ == 0) rt.stats[idx(tier)].leased_bytes += t.desc.bytes;  // no eviction now
   // A writer must not change bytes that a move is still copying out of this tier.
@@ -1040,7 +1067,7 @@ void Runtime::prefetch(TensorId id, Tier tier) {
   std::unique_lock lock(rt.mutex);
   rt.require_tier(tier, "prefetch");
   TensorState& t = rt.get(id);
-  rt.ensure(lock, t, tier, /*count=*/false);
+  rt.ensure(lock, t, tier, /*count=*/false, Access::Read, /*prefetch=*/true);
 }
 
 bool Runtime::evict(TensorId id, Tier tier) {
@@ -1070,6 +1097,8 @@ void Runtime::read(TensorId id, void* dst, std::size_t bytes) {
   TensorState& t = rt.get(id);
   STRATA_EXPECTS(bytes <= t.desc.bytes, "read of ", bytes, " bytes from \"", t.desc.name, "\" of ",
                  t.desc.bytes, " bytes");
+  STRATA_EXPECTS(!t.discarded, "read of \"", t.desc.name,
+                 "\": it was discarded and not written since");
   rt.changed.wait(lock, [&] {
     for (Tier s : {Tier::Device, Tier::Host, Tier::Nvme})
       if (t.current(s) && t.copies[idx(s)].state == CopyState::Valid) return true;
@@ -1145,11 +1174,33 @@ void Runtime::write(TensorId id, const void* src, std::size_t bytes) {
     std::rethrow_exception(error);
   }
   t.version += 1;
+  t.discarded = false;
   c.state = CopyState::Valid;
   c.version = t.version;
   c.ready = true;
   c.last_use = ++rt.clock;
   rt.changed.notify_all();
+}
+
+void Runtime::discard(TensorId id) {
+  Impl& rt = *impl_;
+  std::unique_lock lock(rt.mutex);
+  TensorState& t = rt.get(id);
+  STRATA_EXPECTS(!t.copies[idx(Tier::Nvme)].mapped, "discard \"", t.desc.name,
+                 "\": it is a read-only mapping of a file");
+  for (Tier tier : {Tier::Device, Tier::Host})
+    STRATA_EXPECTS(t.copies[idx(tier)].leases == 0, "discard \"", t.desc.name,
+                   "\": it is leased on ", to_string(tier));
+  rt.changed.wait(lock, [&] { return t.moves == 0; });
+  for (Tier tier : {Tier::Device, Tier::Host, Tier::Nvme})
+    rt.free_space(t, tier);
+  t.discarded = true;
+  rt.changed.notify_all();
+}
+
+bool Runtime::discarded(TensorId id) const {
+  std::lock_guard lock(impl_->mutex);
+  return impl_->get(id).discarded;
 }
 
 void Runtime::synchronize() {

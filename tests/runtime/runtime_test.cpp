@@ -80,6 +80,66 @@ TEST_F(RuntimeTest, WriteLeaseMakesTheCopyNewestAndEvictionWritesItBackOnce) {
   EXPECT_EQ(contents(*rt, t), v2);
 }
 
+TEST_F(RuntimeTest, AWriteLeaseMovesNothingAndItsBytesBecomeTheNewest) {
+  auto rt = make();
+  const auto v1 = pattern(100 * KiB, 1), v2 = pattern(100 * KiB, 2);
+  const TensorId t = rt->create_tensor(desc("grad", v1.size()), Tier::Nvme, v1.data());
+  const std::uint64_t read_before = rt->io()->stats().bytes_read;
+  {
+    Lease lease = rt->acquire(t, Tier::Device, Access::Write).get();
+    EXPECT_EQ(lease.event(), nullptr);  // no copy to wait for
+    std::memcpy(lease.data(), v2.data(), v2.size());
+  }
+  EXPECT_EQ(rt->io()->stats().bytes_read, read_before);  // the old bytes were never read
+  EXPECT_EQ(rt->tier_stats(Tier::Device).bytes_in, 0u);
+  EXPECT_FALSE(rt->resident(t, Tier::Nvme));  // stale now
+  EXPECT_TRUE(rt->evict(t, Tier::Device));    // dirty: written back
+  EXPECT_EQ(contents(*rt, t), v2);
+}
+
+TEST_F(RuntimeTest, DiscardDropsEveryCopyWithoutWritingAndReadsAreRefused) {
+  auto rt = make();
+  const auto v1 = pattern(100 * KiB, 1), v2 = pattern(100 * KiB, 2);
+  const TensorId t = rt->create_tensor(desc("layers.3.grad", v1.size()), Tier::Host, v1.data());
+  {
+    Lease lease = rt->acquire(t, Tier::Device, Access::ReadWrite).get();
+    lease.wait();
+    std::memcpy(lease.data(), v2.data(), v2.size());
+  }
+  const std::uint64_t host_used = rt->tier_stats(Tier::Host).used_bytes;
+  rt->discard(t);  // dirty on the device, yet nothing is written back
+  EXPECT_TRUE(rt->discarded(t));
+  EXPECT_EQ(rt->tier_stats(Tier::Device).write_backs, 0u);
+  EXPECT_EQ(rt->tier_stats(Tier::Device).used_bytes, 0u);
+  EXPECT_LT(rt->tier_stats(Tier::Host).used_bytes, host_used);
+  for (Tier tier : {Tier::Device, Tier::Host, Tier::Nvme})
+    EXPECT_FALSE(rt->resident(t, tier));
+  rt->prefetch(t, Tier::Device);  // nothing to bring: ignored
+  EXPECT_FALSE(rt->resident(t, Tier::Device));
+  try {
+    (void)rt->acquire(t, Tier::Host, Access::Read);
+    FAIL() << "reading a discarded tensor succeeded";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("layers.3.grad"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("discarded"), std::string::npos) << e.what();
+  }
+  std::vector<unsigned char> out(v1.size());
+  EXPECT_THROW(rt->read(t, out.data(), out.size()), Error);
+  {
+    Lease lease = rt->acquire(t, Tier::Device, Access::Write).get();
+    std::memcpy(lease.data(), v1.data(), v1.size());
+  }
+  EXPECT_FALSE(rt->discarded(t));
+  EXPECT_EQ(contents(*rt, t), v1);
+  rt->discard(t);
+  rt->write(t, v2.data(), v2.size());  // write() fills it too
+  EXPECT_EQ(contents(*rt, t), v2);
+  {
+    Lease held = rt->acquire(t, Tier::Host, Access::Read).get();
+    EXPECT_THROW(rt->discard(t), Error);  // leased
+  }
+}
+
 TEST_F(RuntimeTest, CleanVictimsAreDroppedNeverWrittenBack) {
   auto rt = make();
   std::vector<TensorId> weights;
@@ -238,6 +298,7 @@ TEST_F(RuntimeTest, MappedTensorsAreNeverWritten) {
   std::ofstream(path, std::ios::binary)
       .write(reinterpret_cast<const char*>(data.data()), data.size());
   const TensorId t = rt->map_tensor(desc("w", data.size() - 33), path, 33);
+  EXPECT_THROW(rt->discard(t), Error);  // a mapping of a model: never discarded
   Lease lease = rt->acquire(t, Tier::Device, Access::Read).get();
   EXPECT_EQ(leased_bytes(lease), std::vector<unsigned char>(data.begin() + 33, data.end()));
   lease.release();

@@ -19,7 +19,7 @@ typedef uint64_t strata_tensor;
 typedef enum { STRATA_TIER_DEVICE = 0, STRATA_TIER_HOST = 1, STRATA_TIER_NVME = 2 } strata_tier;
 typedef enum {
   STRATA_ACCESS_READ = 1,
-  STRATA_ACCESS_WRITE = 2,
+  STRATA_ACCESS_WRITE = 2, /* write-discard: every byte is overwritten, nothing is loaded */
   STRATA_ACCESS_READ_WRITE = 3
 } strata_access;
 

@@ -126,7 +126,8 @@ class FarthestNextUsePolicy final : public EvictionPolicy {
 /// Contract:
 /// - create_tensor() places a tensor (zeroed or from `init`) on its home tier; later it moves up
 ///   when acquired or prefetched and down when room is needed or evict() asks.
-/// - acquire() returns a LeaseFuture; moves are asynchronous and ordered by events. NVMe to
+/// - acquire() returns a LeaseFuture; moves are asynchronous and ordered by events. A Write
+///   (write-discard) lease moves nothing: the holder overwrites every byte. NVMe to
 ///   device is a pipeline of chunks through pinned staging (or through the tensor's host copy
 ///   when the host tier has room): the device copy of chunk k overlaps the NVMe read of k+1.
 /// - Budgets are hard. A full tier evicts unleased copies chosen by the policy (LRU by
@@ -161,6 +162,12 @@ class Runtime {
   /// Demotes: writes the copy on `tier` back below if it is the newest, then drops it. Blocks.
   /// Returns true when a write-back happened (false: the copy was clean, or not there).
   bool evict(TensorId tensor, Tier tier);
+  /// Declares the tensor's bytes dead (a gradient the optimizer has consumed): every copy is
+  /// dropped with no write-back, and its space freed. The next lease must be Access::Write (or a
+  /// write()); reading before that is an error naming the tensor. Throws if it is leased or a
+  /// read-only file mapping; waits for its moves in flight.
+  void discard(TensorId tensor);
+  [[nodiscard]] bool discarded(TensorId tensor) const;
   /// Copies the tensor's newest bytes to / from a user buffer, whichever tier holds them.
   void read(TensorId tensor, void* dst, std::size_t bytes);
   void write(TensorId tensor, const void* src, std::size_t bytes);

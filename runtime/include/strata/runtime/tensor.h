@@ -21,6 +21,8 @@ enum class TensorKind : std::uint8_t { Param, Grad, OptimizerState, Activation, 
 std::string_view to_string(TensorKind kind) noexcept;
 
 /// How a lease uses a tensor's bytes. Values match the C API's strata_access.
+/// Write is write-discard: the holder overwrites every byte, so the old bytes are not brought to
+/// the lease's tier (no copy); only space is made. Read and ReadWrite see the newest bytes.
 enum class Access : std::uint8_t { Read = 1, Write = 2, ReadWrite = 3 };
 constexpr bool writes(Access a) noexcept {
   return (static_cast<unsigned>(a) & static_cast<unsigned>(Access::Write)) != 0;
