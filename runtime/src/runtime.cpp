@@ -719,6 +719,50 @@ struct Runtime::Impl {
   // ---- residency requests ----
 
   // Makes t current on `tier` (starting a move if needed); returns with space reserved.
+  // Leases on `t` other than one on `own` (the caller's).
+  static bool leased_elsewhere(const TensorState& t, Tier own) {
+    for (Tier tier : {Tier::Device, Tier::Host}) {
+      const unsigned mine = tier == own ? 1 : 0;
+      if (t.copies[idx(tier)].leases > mine) return true;
+    }
+    return false;
+  }
+
+  // Frees every copy of `t` with no write-back and marks it discarded. `own`, when not null, is
+  // the caller's lease on it, which ends here; while the moves in flight finish, that lease keeps
+  // anyone from evicting (and so writing back) the dead bytes. False when someone else leased it
+  // meanwhile (then nothing changed); throws for a mapping or other leases without `own`.
+  bool discard(std::unique_lock<std::mutex>& lock, TensorState& t, Lease* own) {
+    const Tier own_tier = own != nullptr ? own->tier() : Tier::Nvme;
+    STRATA_EXPECTS(!t.copies[idx(Tier::Nvme)].mapped, "discard \"", t.desc.name,
+                   "\": it is a read-only mapping of a file");
+    const auto check_leases = [&] {
+      for (Tier tier : {Tier::Device, Tier::Host})
+        STRATA_EXPECTS(t.copies[idx(tier)].leases == 0, "discard \"", t.desc.name,
+                       "\": it is leased on ", to_string(tier));
+    };
+    if (own == nullptr) check_leases();
+    changed.wait(lock, [&] {
+      if (t.moves != 0) return false;
+      for (const Copy& c : t.copies)
+        if (c.pins != 0 || c.state == CopyState::Evicting) return false;
+      return true;
+    });
+    if (own == nullptr) {
+      check_leases();  // leased while the moves finished
+    } else {
+      if (leased_elsewhere(t, own_tier)) return false;
+      Copy& c = t.copies[idx(own_tier)];
+      --c.leases;
+      stats[idx(own_tier)].leased_bytes -= t.desc.bytes;
+    }
+    for (Tier tier : {Tier::Device, Tier::Host, Tier::Nvme})
+      free_space(t, tier);
+    t.discarded = true;
+    changed.notify_all();
+    return true;
+  }
+
   // Makes `tier` hold (or receive) the tensor's newest bytes. `access` Write only makes space
   // (write-discard); `prefetch` requests are dropped for discarded tensors instead of failing.
   void ensure(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier, bool count,
@@ -1185,17 +1229,28 @@ void Runtime::write(TensorId id, const void* src, std::size_t bytes) {
 void Runtime::discard(TensorId id) {
   Impl& rt = *impl_;
   std::unique_lock lock(rt.mutex);
-  TensorState& t = rt.get(id);
-  STRATA_EXPECTS(!t.copies[idx(Tier::Nvme)].mapped, "discard \"", t.desc.name,
-                 "\": it is a read-only mapping of a file");
-  for (Tier tier : {Tier::Device, Tier::Host})
-    STRATA_EXPECTS(t.copies[idx(tier)].leases == 0, "discard \"", t.desc.name,
-                   "\": it is leased on ", to_string(tier));
-  rt.changed.wait(lock, [&] { return t.moves == 0; });
-  for (Tier tier : {Tier::Device, Tier::Host, Tier::Nvme})
-    rt.free_space(t, tier);
-  t.discarded = true;
+  rt.discard(lock, rt.get(id), nullptr);
+}
+
+bool Lease::discard() {
+  if (runtime_ == nullptr) return false;
+  Runtime::Impl& rt = *runtime_->impl_;
+  bool done = false;
+  {
+    std::unique_lock lock(rt.mutex);
+    const auto it = rt.tensors.find(tensor_);
+    if (it != rt.tensors.end() && !rt.leased_elsewhere(*it->second, tier_) &&
+        !it->second->copies[idx(Tier::Nvme)].mapped)
+      done = rt.discard(lock, *it->second, this);
+  }
+  if (!done) {
+    release();
+    return false;
+  }
   rt.changed.notify_all();
+  runtime_ = nullptr;
+  event_.reset();
+  return true;
 }
 
 bool Runtime::discarded(TensorId id) const {

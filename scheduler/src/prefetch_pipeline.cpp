@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 #include <unordered_set>
+#include <utility>
 
 #include "strata/io/error.h"
 
@@ -83,8 +84,17 @@ PrefetchPipeline::~PrefetchPipeline() {
 }
 
 void PrefetchPipeline::publish_schedule() {
-  std::lock_guard lock(oracle_->mutex);
-  oracle_->schedule = std::make_shared<const Schedule>(schedule_);
+  {
+    std::lock_guard lock(oracle_->mutex);
+    oracle_->schedule = std::make_shared<const Schedule>(schedule_);
+  }
+  std::unordered_set<TensorId> host;
+  std::uint64_t host_bytes = 0;
+  for (const Step& step : schedule_.steps())
+    for (const TensorUse& u : step.uses)
+      if (u.tier == Tier::Host && host.insert(u.tensor).second)
+        host_bytes += rt_.describe(u.tensor).bytes;
+  host_pressure_ = rt_.swap() != nullptr && host_bytes > rt_.tier_stats(Tier::Host).capacity_bytes;
 }
 
 void PrefetchPipeline::set_schedule(Schedule schedule) {
@@ -105,6 +115,7 @@ void PrefetchPipeline::begin_iteration() {
   if (!schedule_.empty()) {
     cursor_.store(iteration_ * schedule_.size());
     next_to_issue_ = std::max(next_to_issue_, iteration_ * schedule_.size());
+    completed_ = std::max(completed_, iteration_ * schedule_.size());
   }
   plan_requested_ = true;
   wake_.notify_all();
@@ -178,9 +189,19 @@ StepLeases PrefetchPipeline::begin_step(const std::string& name, std::vector<Ten
 
 void PrefetchPipeline::end_step(StepLeases leases) {
   const std::uint64_t end = now_ns();
-  for (Lease& l : leases.leases_)
-    l.release();
+  // schedule_ changes only on this (the driving) thread: no lock needed to read it here.
+  const bool traced = leases.traced_ && !schedule_.empty();
+  std::uint64_t discarded = 0;
+  for (std::size_t i = 0; i < leases.leases_.size(); ++i) {
+    const TensorUse& u = leases.uses_[i];
+    if (traced && options_.discard_dead && dead_after(u.tensor, leases.step_)) {
+      if (leases.leases_[i].discard()) ++discarded;
+    } else {
+      leases.leases_[i].release();
+    }
+  }
   std::lock_guard lock(mutex_);
+  stats_.discards += discarded;
   const double compute = static_cast<double>(end - step_begin_ns_) / 1e9;
   stats_.compute_s_per_step =
       stats_.compute_s_per_step == 0 ? compute : 0.8 * stats_.compute_s_per_step + 0.2 * compute;
@@ -192,21 +213,46 @@ void PrefetchPipeline::end_step(StepLeases leases) {
     stats_.needed_lookahead_steps =
         static_cast<std::size_t>(std::ceil(transfer / stats_.compute_s_per_step));
   }
-  // Write back what this step wrote for the last time in the iteration.
-  if (options_.write_back && leases.traced_ && !schedule_.empty()) {
-    const std::size_t local = leases.step_ % schedule_.size();
+  if (leases.traced_ && !schedule_.empty()) {
+    const std::size_t n = schedule_.size();
+    const std::size_t local = leases.step_ % n;
+    completed_ = std::max(completed_, leases.step_ + 1);
+    // Is `tensor` used on `tier` by a later step of this iteration?
+    const auto used_later_on = [&](TensorId tensor, Tier tier) {
+      for (std::size_t k = local + 1; k < n; ++k)
+        for (const TensorUse& u : schedule_.steps()[k].uses)
+          if (u.tensor == tensor && u.tier == tier) return true;
+      return false;
+    };
     for (const TensorUse& u : leases.uses_) {
-      if (u.use == Use::Read || u.tier != Tier::Device) continue;
-      if (schedule_.next_use(u.tensor, local + 1) == Schedule::kNever)
-        write_back_queue_.push_back(u.tensor);
+      if (!options_.write_back || u.use == Use::Read) continue;
+      if (options_.discard_dead && dead_after(u.tensor, leases.step_)) continue;
+      if (u.tier == Tier::Device && !used_later_on(u.tensor, Tier::Device))
+        write_back_queue_.push_back({u.tensor, Tier::Device});
+      else if (u.tier == Tier::Host && host_pressure_ && !used_later_on(u.tensor, Tier::Host))
+        write_back_queue_.push_back({u.tensor, Tier::Host});
     }
   }
   wake_.notify_all();
 }
 
+bool PrefetchPipeline::dead_after(TensorId tensor, std::size_t step) const {
+  const std::size_t n = schedule_.size();
+  const std::size_t local = step % n;
+  const std::size_t next = schedule_.next_use(tensor, local + 1, /*cyclic=*/true);
+  if (next == Schedule::kNever) return false;
+  for (const TensorUse& v : schedule_.steps()[next % n].uses)
+    if (v.tensor == tensor) return v.use == Use::Write;
+  return false;
+}
+
 void PrefetchPipeline::end_iteration() {
   std::unique_lock lock(mutex_);
   drained_.wait(lock, [&] { return write_back_queue_.empty() && write_backs_in_flight_ == 0; });
+  if (last_write_back_error_) {
+    // The copies that failed stay dirty where they were; the caller decides what to do.
+    std::rethrow_exception(std::exchange(last_write_back_error_, nullptr));
+  }
   if (schedule_.empty() && !recording_.empty()) {
     schedule_ = std::move(recording_);
     recording_ = Schedule{};
@@ -222,6 +268,8 @@ void PrefetchPipeline::end_iteration() {
 void PrefetchPipeline::plan() {
   const double budget =
       static_cast<double>(rt_.backend().info().budget_bytes) * options_.budget_fraction;
+  const double host_budget =
+      static_cast<double>(rt_.tier_stats(Tier::Host).capacity_bytes) * options_.budget_fraction;
   std::unique_lock lock(mutex_);
   for (;;) {
     wake_.wait(lock, [&] {
@@ -233,34 +281,61 @@ void PrefetchPipeline::plan() {
     const std::size_t n = schedule_.size();
     const std::size_t current = cursor_.load();
     // The window: steps from the current one on whose distinct tensors fit the budget.
-    std::unordered_set<TensorId> window;
-    std::uint64_t window_bytes = 0;
+    std::unordered_set<TensorId> window, host_window;
+    std::uint64_t window_bytes = 0, host_window_bytes = 0;
     std::vector<std::pair<TensorId, Tier>> issue;
+    // Held-back prefetches whose writer has ended go first.
+    std::erase_if(deferred_, [&](const Deferred& d) {
+      if (d.writer >= completed_) return false;
+      issue.emplace_back(d.tensor, d.tier);
+      return true;
+    });
+    // The latest unfinished step before `j` that writes `tensor`, or kNever.
+    const auto pending_writer = [&](TensorId tensor, std::size_t j) {
+      for (std::size_t k = j; k-- > std::max(completed_, current);)
+        for (const TensorUse& u : schedule_.steps()[k % n].uses)
+          if (u.tensor == tensor && u.use != Use::Read) return k;
+      return Schedule::kNever;
+    };
     std::size_t last = current;
     for (std::size_t j = current; j < current + n; ++j) {
       if (options_.prefetch == PrefetchMode::Fixed && j > current + options_.fixed_lookahead) break;
-      bool fits = true;
-      std::vector<TensorId> fresh;
-      std::uint64_t fresh_bytes = 0;
+      std::vector<TensorId> fresh, fresh_host;
+      std::uint64_t fresh_bytes = 0, fresh_host_bytes = 0;
       for (const TensorUse& u : schedule_.steps()[j % n].uses) {
-        if (u.tier != Tier::Device || window.contains(u.tensor)) continue;
-        fresh.push_back(u.tensor);
-        fresh_bytes += rt_.describe(u.tensor).bytes;
+        if (u.tier == Tier::Device && !window.contains(u.tensor)) {
+          fresh.push_back(u.tensor);
+          fresh_bytes += rt_.describe(u.tensor).bytes;
+        } else if (u.tier == Tier::Host && !host_window.contains(u.tensor)) {
+          fresh_host.push_back(u.tensor);
+          fresh_host_bytes += rt_.describe(u.tensor).bytes;
+        }
       }
-      if (static_cast<double>(window_bytes + fresh_bytes) > budget) fits = false;
-      if (!fits) break;
+      if (static_cast<double>(window_bytes + fresh_bytes) > budget) break;
+      if (static_cast<double>(host_window_bytes + fresh_host_bytes) > host_budget) break;
       window.insert(fresh.begin(), fresh.end());
       window_bytes += fresh_bytes;
+      host_window.insert(fresh_host.begin(), fresh_host.end());
+      host_window_bytes += fresh_host_bytes;
       last = j;
       // Every step of the schedule is issued once, in order, even one that has just begun (the
       // prefetch then joins its load): the order does not depend on how the threads interleave.
       if (j >= next_to_issue_) {
-        for (const TensorUse& u : schedule_.steps()[j % n].uses)
-          issue.emplace_back(u.tensor, u.tier);
+        for (const TensorUse& u : schedule_.steps()[j % n].uses) {
+          if (u.use == Use::Write) continue;  // write-discard: nothing to bring
+          const std::size_t writer = pending_writer(u.tensor, j);
+          if (writer != Schedule::kNever) {
+            deferred_.push_back({u.tensor, u.tier, writer});
+            ++stats_.deferred;
+          } else {
+            issue.emplace_back(u.tensor, u.tier);
+          }
+        }
         next_to_issue_ = j + 1;
       }
     }
     stats_.max_window_bytes = std::max(stats_.max_window_bytes, window_bytes);
+    stats_.max_host_window_bytes = std::max(stats_.max_host_window_bytes, host_window_bytes);
     stats_.max_lookahead_steps = std::max(stats_.max_lookahead_steps, last - current);
     if (issue.empty()) continue;
     const std::size_t log_index = prefetch_log_.size() - 1;  // the log may grow meanwhile
@@ -289,17 +364,19 @@ void PrefetchPipeline::write_back_loop() {
   for (;;) {
     wake_.wait(lock, [&] { return stopping_ || !write_back_queue_.empty(); });
     if (write_back_queue_.empty()) return;  // stopping
-    const TensorId tensor = write_back_queue_.front();
+    const WriteBack job = write_back_queue_.front();
     write_back_queue_.pop_front();
     ++write_backs_in_flight_;
     lock.unlock();
     bool done = false;
     try {
-      // d2h stream, then NVMe through the io engine when the host is full. False when the copy
-      // was clean already (an eviction for room wrote it back first).
-      done = rt_.evict(tensor, Tier::Device);
+      // Device: d2h stream, then NVMe through the io engine when the host is full; host: NVMe.
+      // False when the copy was clean already (an eviction for room wrote it back first).
+      done = rt_.evict(job.tensor, job.tier);
     } catch (const Error&) {
-      // Leased again already, or the write-back failed: the copy stays where it was.
+      // Leased again already, or the write-back failed: the copy stays where it was, dirty,
+      // and an eviction for room (in the thread that needs it) retries and reports.
+      if (!last_write_back_error_) last_write_back_error_ = std::current_exception();
     }
     lock.lock();
     --write_backs_in_flight_;

@@ -138,6 +138,16 @@ TEST_F(RuntimeTest, DiscardDropsEveryCopyWithoutWritingAndReadsAreRefused) {
     Lease held = rt->acquire(t, Tier::Host, Access::Read).get();
     EXPECT_THROW(rt->discard(t), Error);  // leased
   }
+  // A reader's last lease can discard on its way out; with another reader it only releases.
+  Lease a = rt->acquire(t, Tier::Host, Access::Read).get();
+  Lease b = rt->acquire(t, Tier::Host, Access::Read).get();
+  EXPECT_FALSE(a.discard());
+  EXPECT_FALSE(a);
+  EXPECT_FALSE(rt->discarded(t));
+  EXPECT_TRUE(b.discard());
+  EXPECT_TRUE(rt->discarded(t));
+  EXPECT_EQ(rt->tier_stats(Tier::Host).leased_bytes, 0u);
+  EXPECT_EQ(rt->tier_stats(Tier::Device).write_backs, 0u);
 }
 
 TEST_F(RuntimeTest, CleanVictimsAreDroppedNeverWrittenBack) {

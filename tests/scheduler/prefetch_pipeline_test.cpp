@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
+#include <unordered_set>
 
 #include "runtime/runtime_fixture.h"
 #include "strata/io/error.h"
@@ -167,6 +169,96 @@ TEST_F(PrefetchPipelineTest, DirtyTensorsAreWrittenBackOncePerModification) {
               std::vector<unsigned char>(64 * KiB,
                                          static_cast<unsigned char>((iterations - 1) * 10 + i)));
   }
+}
+
+// A ZeRO-Offload iteration: forward reads the working weights on the device; backward writes each
+// layer's gradient there (write-discard); the optimizer reads the gradient on the host and updates
+// the master weights and states there. The host holds about half of what the iteration touches.
+TEST_F(PrefetchPipelineTest, ZeroOffloadStepsStayExactAndDeadGradientsNeverMove) {
+  constexpr std::size_t kLayers = 6, kFloats = 16 * 1024;  // 64 KiB per weight or gradient
+  rt_ = std::make_unique<Runtime>(small_options(dir_.path()));
+  using Floats = std::vector<float>;
+  std::vector<Floats> w(kLayers), m(kLayers, Floats(2 * kFloats, 0.0f));
+  std::vector<TensorId> wt, st, gt;
+  for (std::size_t i = 0; i < kLayers; ++i) {
+    w[i].resize(kFloats);
+    for (std::size_t k = 0; k < kFloats; ++k)
+      w[i][k] = static_cast<float>((i * 7 + k) % 13) - 6.0f;
+    wt.push_back(
+        rt_->create_tensor(desc("w" + std::to_string(i), kFloats * 4), Tier::Nvme, w[i].data()));
+    st.push_back(rt_->create_tensor(desc("s" + std::to_string(i), 2 * kFloats * 4), Tier::Nvme));
+    gt.push_back(rt_->create_tensor(desc("g" + std::to_string(i), kFloats * 4, TensorKind::Grad),
+                                    Tier::Host));
+  }
+  PipelineOptions options;
+  options.discard_dead = true;
+  PrefetchPipeline p(*rt_, options);
+  const auto floats = [](const Lease& l) {
+    l.wait();
+    return Floats(l.as<float>(), l.as<float>() + l.bytes() / 4);
+  };
+  const int iterations = 4;
+  for (int it = 0; it < iterations; ++it) {
+    p.begin_iteration();
+    for (std::size_t i = 0; i < kLayers; ++i) {
+      StepLeases in = p.begin_step("fwd" + std::to_string(i), {{wt[i], Use::Read}});
+      ASSERT_EQ(floats(in.of(wt[i])), w[i]) << "iteration " << it << " fwd " << i;
+      p.end_step(std::move(in));
+    }
+    for (std::size_t i = kLayers; i-- > 0;) {
+      StepLeases in =
+          p.begin_step("bwd" + std::to_string(i), {{wt[i], Use::Read}, {gt[i], Use::Write}});
+      in.wait();
+      ASSERT_EQ(floats(in.of(wt[i])), w[i]) << "iteration " << it << " bwd " << i;
+      float* g = in.of(gt[i]).as<float>();
+      for (std::size_t k = 0; k < kFloats; ++k)
+        g[k] = w[i][k] * 0.5f + static_cast<float>(it);
+      p.end_step(std::move(in));
+      in = p.begin_step("adam" + std::to_string(i), {{wt[i], Use::ReadWrite, Tier::Host},
+                                                     {st[i], Use::ReadWrite, Tier::Host},
+                                                     {gt[i], Use::Read, Tier::Host}});
+      ASSERT_EQ(floats(in.of(st[i])), m[i]) << "iteration " << it << " adam " << i;
+      const Floats grad = floats(in.of(gt[i]));
+      float* wp = in.of(wt[i]).as<float>();
+      float* sp = in.of(st[i]).as<float>();
+      for (std::size_t k = 0; k < kFloats; ++k) {
+        ASSERT_EQ(grad[k], w[i][k] * 0.5f + static_cast<float>(it));
+        m[i][k] += grad[k];
+        m[i][kFloats + k] += grad[k] * grad[k];
+        w[i][k] -= 0.25f * grad[k];
+        sp[k] = m[i][k];
+        sp[kFloats + k] = m[i][kFloats + k];
+        wp[k] = w[i][k];
+      }
+      p.end_step(std::move(in));
+    }
+    p.end_iteration();
+    // The recorded iteration's gradients could not be known dead (no schedule yet): the next
+    // iteration's writes make them stale. Watch the traffic from then on.
+    if (it == 1) rt_->telemetry().clear();
+  }
+  for (std::size_t i = 0; i < kLayers; ++i) {
+    std::vector<unsigned char> expect(kFloats * 4);
+    std::memcpy(expect.data(), w[i].data(), expect.size());
+    EXPECT_EQ(contents(*rt_, wt[i]), expect) << "layer " << i;
+  }
+  const PipelineStats s = p.stats();
+  EXPECT_GE(s.discards, kLayers * (iterations - 1));  // every replayed gradient, once consumed
+  EXPECT_GT(s.deferred, 0u);  // the next forward's weights waited for their update
+  EXPECT_LE(s.max_host_window_bytes, rt_->tier_stats(Tier::Host).capacity_bytes);
+  EXPECT_GT(rt_->tier_stats(Tier::Host).write_backs, 0u);  // states went down to NVMe
+  // A gradient is only ever written on the device and copied down once: never brought up to
+  // the device (write-discard) and never written to NVMe (discarded once consumed).
+  std::unordered_set<TensorId> grads(gt.begin(), gt.end());
+  std::size_t d2h = 0;
+  for (const TraceEvent& e : rt_->telemetry().events()) {
+    if (!grads.contains(e.tensor)) continue;
+    EXPECT_NE(e.track, Track::H2D) << "a gradient was copied to the device";
+    EXPECT_NE(e.track, Track::NvmeWrite) << "a dead gradient was written to NVMe";
+    EXPECT_NE(e.track, Track::NvmeRead);
+    if (e.track == Track::D2H) ++d2h;
+  }
+  EXPECT_EQ(d2h, kLayers * (iterations - 2));
 }
 
 TEST_F(PrefetchPipelineTest, APacedLinkStaysBusy) {

@@ -52,6 +52,10 @@ class Lease {
   /// Blocks the calling thread until the bytes are there.
   void wait() const;
   void release() noexcept;
+  /// Ends the lease and, when it is the tensor's only one, discards the tensor's bytes
+  /// (Runtime::discard) before anyone can evict and write them back. Returns false, having only
+  /// released, when others lease it too or it is a read-only file mapping.
+  bool discard();
 
  private:
   friend class Runtime;

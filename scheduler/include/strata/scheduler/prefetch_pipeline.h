@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -29,23 +30,33 @@ struct PipelineOptions {
   std::size_t fixed_lookahead = 2;
   /// Fraction of the device budget the prefetch window's working set may take (0 < f <= 1).
   double budget_fraction = 1.0;
-  /// After a tensor's last write in the iteration, write it back (device -> host, and to NVMe
-  /// when it is homed there) on the write-back thread, overlapping with later steps.
+  /// On the write-back thread, overlapping with later steps: a tensor written on the device and
+  /// not used on the device again this iteration goes down to the host (a gradient the CPU
+  /// optimizer reads next); one written on the host and not used there again goes down to NVMe
+  /// when the schedule's host working set exceeds the host budget (optimizer states).
   bool write_back = true;
+  /// After a tensor's last use in an iteration, when its next use (in this iteration or the
+  /// next) is a pure Write, its bytes are dead: discard them (Runtime::discard), so that no
+  /// tier ever writes them back. Off by default: a caller that reads such a tensor between
+  /// iterations (outside the steps) would find it discarded.
+  bool discard_dead = false;
   /// Use the schedule's farthest-next-use eviction policy for the runtime.
   bool belady = true;
 };
 
 struct PipelineStats {
   std::uint64_t steps = 0;
-  std::uint64_t divergences = 0;       ///< steps that differed from the recorded trace
-  std::uint64_t resyncs = 0;           ///< divergences resolved by finding the step further on
-  std::uint64_t on_demand = 0;         ///< steps served without the trace
-  std::uint64_t prefetches = 0;        ///< prefetch requests issued
-  std::uint64_t ready_at_begin = 0;    ///< step inputs already resident or arriving at begin
-  std::uint64_t inputs = 0;            ///< step inputs in all
-  std::uint64_t write_backs = 0;       ///< evictions issued by the write-back thread
-  std::uint64_t max_window_bytes = 0;  ///< the largest prefetch working set (<= the budget)
+  std::uint64_t divergences = 0;            ///< steps that differed from the recorded trace
+  std::uint64_t resyncs = 0;                ///< divergences resolved by finding the step further on
+  std::uint64_t on_demand = 0;              ///< steps served without the trace
+  std::uint64_t prefetches = 0;             ///< prefetch requests issued
+  std::uint64_t ready_at_begin = 0;         ///< step inputs already resident or arriving at begin
+  std::uint64_t inputs = 0;                 ///< step inputs in all
+  std::uint64_t write_backs = 0;            ///< evictions issued by the write-back thread
+  std::uint64_t discards = 0;               ///< dead tensors discarded (discard_dead)
+  std::uint64_t deferred = 0;               ///< prefetches held back until their writer ended
+  std::uint64_t max_window_bytes = 0;       ///< the largest prefetch working set (<= the budget)
+  std::uint64_t max_host_window_bytes = 0;  ///< the same for host-tier uses
   std::size_t max_lookahead_steps = 0;
   double measured_gbps = 0;                ///< bytes into the device per second while moving
   double compute_s_per_step = 0;           ///< mean time between begin_step and end_step
@@ -77,7 +88,11 @@ class StepLeases {
 /// - A schedule is given (set_schedule) or recorded from the first iteration and replayed.
 /// - begin_step() acquires the step's tensors and returns their leases; end_step() releases
 ///   them. A planner thread prefetches the next steps' tensors, with the schedule's
-///   farthest-next-use eviction, and never lets the window's working set exceed the budget.
+///   farthest-next-use eviction, and never lets the window's working set exceed the budget
+///   (device uses against the device budget, host uses against the host budget).
+/// - Write uses are write-discard: nothing is prefetched for them. A use of a tensor that an
+///   earlier, unfinished step of the window writes (on any tier) is prefetched only once that
+///   step has ended: a prefetch never fetches bytes about to become stale.
 /// - A step that differs from the trace (skipped, reordered, unexpected tensors) is resynced
 ///   to the trace when its name appears further on, else served on demand; the trace is kept
 ///   and the run never hangs.
@@ -96,7 +111,8 @@ class PrefetchPipeline {
   void begin_iteration();
   StepLeases begin_step(const std::string& name, std::vector<TensorUse> uses);
   void end_step(StepLeases leases);
-  /// Waits for this iteration's write-backs; a recording becomes the schedule.
+  /// Waits for this iteration's write-backs; a recording becomes the schedule. Rethrows the
+  /// first write-back that failed (IoError: EIO, ENOSPC); its tensor stays dirty where it was.
   void end_iteration();
 
   [[nodiscard]] PipelineStats stats() const;
@@ -108,6 +124,8 @@ class PrefetchPipeline {
   void plan();
   void write_back_loop();
   void publish_schedule();
+  /// After global step `step`, is `tensor`'s next use (cyclic) a pure Write?
+  [[nodiscard]] bool dead_after(TensorId tensor, std::size_t step) const;
 
   Runtime& rt_;
   PipelineOptions options_;
@@ -121,8 +139,21 @@ class PrefetchPipeline {
   std::atomic<std::size_t> cursor_{0};  ///< global step index: iteration * N + step
   bool started_ = false;                // a step of this iteration has begun
   std::size_t next_to_issue_ = 0;       ///< global step whose tensors the planner issues next
-  std::deque<TensorId> write_back_queue_;
+  struct WriteBack {
+    TensorId tensor;
+    Tier tier;
+  };
+  struct Deferred {
+    TensorId tensor;
+    Tier tier;
+    std::size_t writer;  ///< global step that must end first
+  };
+  std::deque<WriteBack> write_back_queue_;
+  std::vector<Deferred> deferred_;
+  std::size_t completed_ = 0;   ///< global steps before this one have ended
+  bool host_pressure_ = false;  ///< the schedule's host working set exceeds the host budget
   std::size_t write_backs_in_flight_ = 0;
+  std::exception_ptr last_write_back_error_;  ///< the first failure since end_iteration
   bool stopping_ = false;
   bool plan_requested_ = false;  // the cursor moved: the planner looks again
   PipelineStats stats_;
