@@ -389,6 +389,8 @@ struct Runtime::Impl {
         throw;
       }
       --c.pins;
+      // Moves that took this copy as their source while it was written back finish first.
+      changed.wait(lock, [&] { return c.pins == 0; });
     }
     ++stats[idx(tier)].evictions;
     const std::uint64_t now = telemetry.now_ns();

@@ -3,11 +3,13 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <unordered_set>
 
 #include "runtime/runtime_fixture.h"
 #include "strata/io/error.h"
+#include "strata/io/io_options.h"
 
 namespace strata::testing {
 namespace {
@@ -174,82 +176,112 @@ TEST_F(PrefetchPipelineTest, DirtyTensorsAreWrittenBackOncePerModification) {
 // A ZeRO-Offload iteration: forward reads the working weights on the device; backward writes each
 // layer's gradient there (write-discard); the optimizer reads the gradient on the host and updates
 // the master weights and states there. The host holds about half of what the iteration touches.
-TEST_F(PrefetchPipelineTest, ZeroOffloadStepsStayExactAndDeadGradientsNeverMove) {
-  constexpr std::size_t kLayers = 6, kFloats = 16 * 1024;  // 64 KiB per weight or gradient
-  rt_ = std::make_unique<Runtime>(small_options(dir_.path()));
+// The same arithmetic runs on plain vectors alongside: every step checks the bytes it sees.
+class ZeroModel {
+ public:
+  static constexpr std::size_t kLayers = 6, kFloats = 16 * 1024;  // 64 KiB per weight or gradient
   using Floats = std::vector<float>;
-  std::vector<Floats> w(kLayers), m(kLayers, Floats(2 * kFloats, 0.0f));
-  std::vector<TensorId> wt, st, gt;
-  for (std::size_t i = 0; i < kLayers; ++i) {
-    w[i].resize(kFloats);
-    for (std::size_t k = 0; k < kFloats; ++k)
-      w[i][k] = static_cast<float>((i * 7 + k) % 13) - 6.0f;
-    wt.push_back(
-        rt_->create_tensor(desc("w" + std::to_string(i), kFloats * 4), Tier::Nvme, w[i].data()));
-    st.push_back(rt_->create_tensor(desc("s" + std::to_string(i), 2 * kFloats * 4), Tier::Nvme));
-    gt.push_back(rt_->create_tensor(desc("g" + std::to_string(i), kFloats * 4, TensorKind::Grad),
-                                    Tier::Host));
+
+  explicit ZeroModel(Runtime& rt) : rt_(rt), w_(kLayers), m_(kLayers, Floats(2 * kFloats, 0.0f)) {
+    for (std::size_t i = 0; i < kLayers; ++i) {
+      w_[i].resize(kFloats);
+      for (std::size_t k = 0; k < kFloats; ++k)
+        w_[i][k] = static_cast<float>((i * 7 + k) % 13) - 6.0f;
+      const std::string n = std::to_string(i);
+      wt_.push_back(rt.create_tensor(desc("w" + n, kFloats * 4), Tier::Nvme, w_[i].data()));
+      st_.push_back(rt.create_tensor(desc("s" + n, 2 * kFloats * 4), Tier::Nvme));
+      gt_.push_back(rt.create_tensor(desc("g" + n, kFloats * 4, TensorKind::Grad), Tier::Host));
+    }
   }
-  PipelineOptions options;
-  options.discard_dead = true;
-  PrefetchPipeline p(*rt_, options);
-  const auto floats = [](const Lease& l) {
-    l.wait();
-    return Floats(l.as<float>(), l.as<float>() + l.bytes() / 4);
-  };
-  const int iterations = 4;
-  for (int it = 0; it < iterations; ++it) {
+
+  void iteration(PrefetchPipeline& p, int it) {
     p.begin_iteration();
     for (std::size_t i = 0; i < kLayers; ++i) {
-      StepLeases in = p.begin_step("fwd" + std::to_string(i), {{wt[i], Use::Read}});
-      ASSERT_EQ(floats(in.of(wt[i])), w[i]) << "iteration " << it << " fwd " << i;
+      StepLeases in = p.begin_step("fwd" + std::to_string(i), {{wt_[i], Use::Read}});
+      ASSERT_EQ(floats(in.of(wt_[i])), w_[i]) << "iteration " << it << " fwd " << i;
       p.end_step(std::move(in));
     }
     for (std::size_t i = kLayers; i-- > 0;) {
       StepLeases in =
-          p.begin_step("bwd" + std::to_string(i), {{wt[i], Use::Read}, {gt[i], Use::Write}});
+          p.begin_step("bwd" + std::to_string(i), {{wt_[i], Use::Read}, {gt_[i], Use::Write}});
       in.wait();
-      ASSERT_EQ(floats(in.of(wt[i])), w[i]) << "iteration " << it << " bwd " << i;
-      float* g = in.of(gt[i]).as<float>();
+      ASSERT_EQ(floats(in.of(wt_[i])), w_[i]) << "iteration " << it << " bwd " << i;
+      float* g = in.of(gt_[i]).as<float>();
       for (std::size_t k = 0; k < kFloats; ++k)
-        g[k] = w[i][k] * 0.5f + static_cast<float>(it);
+        g[k] = w_[i][k] * 0.5f + static_cast<float>(it);
       p.end_step(std::move(in));
-      in = p.begin_step("adam" + std::to_string(i), {{wt[i], Use::ReadWrite, Tier::Host},
-                                                     {st[i], Use::ReadWrite, Tier::Host},
-                                                     {gt[i], Use::Read, Tier::Host}});
-      ASSERT_EQ(floats(in.of(st[i])), m[i]) << "iteration " << it << " adam " << i;
-      const Floats grad = floats(in.of(gt[i]));
-      float* wp = in.of(wt[i]).as<float>();
-      float* sp = in.of(st[i]).as<float>();
+      in = p.begin_step("adam" + std::to_string(i), {{wt_[i], Use::ReadWrite, Tier::Host},
+                                                     {st_[i], Use::ReadWrite, Tier::Host},
+                                                     {gt_[i], Use::Read, Tier::Host}});
+      ASSERT_EQ(floats(in.of(st_[i])), m_[i]) << "iteration " << it << " adam " << i;
+      const Floats grad = floats(in.of(gt_[i]));
+      float* wp = in.of(wt_[i]).as<float>();
+      float* sp = in.of(st_[i]).as<float>();
+      Floats w = w_[i], m = m_[i];
       for (std::size_t k = 0; k < kFloats; ++k) {
-        ASSERT_EQ(grad[k], w[i][k] * 0.5f + static_cast<float>(it));
-        m[i][k] += grad[k];
-        m[i][kFloats + k] += grad[k] * grad[k];
-        w[i][k] -= 0.25f * grad[k];
-        sp[k] = m[i][k];
-        sp[kFloats + k] = m[i][kFloats + k];
-        wp[k] = w[i][k];
+        ASSERT_EQ(grad[k], w[k] * 0.5f + static_cast<float>(it));
+        m[k] += grad[k];
+        m[kFloats + k] += grad[k] * grad[k];
+        w[k] -= 0.25f * grad[k];
+        sp[k] = m[k];
+        sp[kFloats + k] = m[kFloats + k];
+        wp[k] = w[k];
       }
-      p.end_step(std::move(in));
+      p.end_step(std::move(in));  // the update counts once its leases have ended
+      w_[i] = std::move(w);
+      m_[i] = std::move(m);
     }
     p.end_iteration();
+  }
+
+  // Every layer's master weights and moments, read back through the runtime, are the reference's.
+  void expect_exact() const {
+    for (std::size_t i = 0; i < kLayers; ++i) {
+      EXPECT_EQ(as_floats(contents(rt_, wt_[i])), w_[i]) << "weights of layer " << i;
+      EXPECT_EQ(as_floats(contents(rt_, st_[i])), m_[i]) << "moments of layer " << i;
+    }
+  }
+  [[nodiscard]] const std::vector<TensorId>& grads() const { return gt_; }
+
+ private:
+  static Floats floats(const Lease& l) {
+    l.wait();
+    return Floats(l.as<float>(), l.as<float>() + l.bytes() / 4);
+  }
+  static Floats as_floats(const std::vector<unsigned char>& bytes) {
+    Floats out(bytes.size() / 4);
+    std::memcpy(out.data(), bytes.data(), bytes.size());
+    return out;
+  }
+
+  Runtime& rt_;
+  std::vector<Floats> w_, m_;
+  std::vector<TensorId> wt_, st_, gt_;
+};
+
+TEST_F(PrefetchPipelineTest, ZeroOffloadStepsStayExactAndDeadGradientsNeverMove) {
+  rt_ = std::make_unique<Runtime>(small_options(dir_.path()));
+  ZeroModel model(*rt_);
+  PipelineOptions options;
+  options.discard_dead = true;
+  PrefetchPipeline p(*rt_, options);
+  const int iterations = 4;
+  for (int it = 0; it < iterations; ++it) {
+    ASSERT_NO_FATAL_FAILURE(model.iteration(p, it));
     // The recorded iteration's gradients could not be known dead (no schedule yet): the next
     // iteration's writes make them stale. Watch the traffic from then on.
     if (it == 1) rt_->telemetry().clear();
   }
-  for (std::size_t i = 0; i < kLayers; ++i) {
-    std::vector<unsigned char> expect(kFloats * 4);
-    std::memcpy(expect.data(), w[i].data(), expect.size());
-    EXPECT_EQ(contents(*rt_, wt[i]), expect) << "layer " << i;
-  }
+  model.expect_exact();
   const PipelineStats s = p.stats();
-  EXPECT_GE(s.discards, kLayers * (iterations - 1));  // every replayed gradient, once consumed
+  const std::size_t layers = ZeroModel::kLayers;
+  EXPECT_GE(s.discards, layers * (iterations - 1));  // every replayed gradient, once consumed
   EXPECT_GT(s.deferred, 0u);  // the next forward's weights waited for their update
   EXPECT_LE(s.max_host_window_bytes, rt_->tier_stats(Tier::Host).capacity_bytes);
   EXPECT_GT(rt_->tier_stats(Tier::Host).write_backs, 0u);  // states went down to NVMe
   // A gradient is only ever written on the device and copied down once: never brought up to
   // the device (write-discard) and never written to NVMe (discarded once consumed).
-  std::unordered_set<TensorId> grads(gt.begin(), gt.end());
+  std::unordered_set<TensorId> grads(model.grads().begin(), model.grads().end());
   std::size_t d2h = 0;
   for (const TraceEvent& e : rt_->telemetry().events()) {
     if (!grads.contains(e.tensor)) continue;
@@ -258,7 +290,32 @@ TEST_F(PrefetchPipelineTest, ZeroOffloadStepsStayExactAndDeadGradientsNeverMove)
     EXPECT_NE(e.track, Track::NvmeRead);
     if (e.track == Track::D2H) ++d2h;
   }
-  EXPECT_EQ(d2h, kLayers * (iterations - 2));
+  EXPECT_EQ(d2h, layers * (iterations - 2));
+}
+
+TEST_F(PrefetchPipelineTest, AFullDiskDuringStateWriteBackLosesNoUpdate) {
+  if (!fault_injection_available()) GTEST_SKIP() << "built without STRATA_FAULT_INJECTION";
+  Budgets b;
+  // Creation writes 18 blocks of 64 KiB (1 per weight, 2 per moments); then the disk is full.
+  b.faults = {"write:30:enospc"};
+  rt_ = std::make_unique<Runtime>(small_options(dir_.path(), b));
+  ZeroModel model(*rt_);
+  int failed_in = -1;
+  {
+    PipelineOptions options;
+    options.discard_dead = true;
+    PrefetchPipeline p(*rt_, options);
+    for (int it = 0; it < 4 && failed_in < 0; ++it) {
+      try {
+        model.iteration(p, it);
+      } catch (const IoError& e) {
+        EXPECT_EQ(e.error_number(), ENOSPC) << e.what();
+        failed_in = it;
+      }
+    }
+  }
+  ASSERT_GE(failed_in, 0) << "the injected ENOSPC never surfaced";
+  model.expect_exact();  // the updates that could not be written are still on the host
 }
 
 TEST_F(PrefetchPipelineTest, APacedLinkStaysBusy) {

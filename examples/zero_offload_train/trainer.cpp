@@ -1,0 +1,537 @@
+#include "trainer.h"
+
+#include <cblas.h>
+#include <tbb/task_group.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <utility>
+
+#include <nlohmann/json.hpp>
+
+#include "strata/io/error.h"
+#include "strata/io/pages.h"
+#include "strata/io/units.h"
+#include "strata/optim/adam.h"
+#include "strata/runtime/runtime.h"
+#include "strata/scheduler/prefetch_pipeline.h"
+
+namespace strata::examples {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// ---- deterministic data: a counter-based generator, the same in every run ----
+
+std::uint64_t splitmix(std::uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+// Element `i` of random stream `stream`, uniform in [-1, 1).
+float uniform(std::uint64_t seed, std::uint64_t stream, std::uint64_t i) {
+  const std::uint64_t r = splitmix(splitmix(seed ^ splitmix(stream)) + i);
+  return static_cast<float>(r >> 40) * (2.0f / 16777216.0f) - 1.0f;
+}
+
+constexpr std::uint64_t kInitStream = 1 << 20;     // + layer
+constexpr std::uint64_t kTeacherStream = 2 << 20;  // + 0, 1
+constexpr std::uint64_t kDataStream = 3 << 20;     // + step
+
+struct Shape {
+  int layers, hidden, batch;
+  [[nodiscard]] std::size_t params() const {  // one layer: W [H, H] then b [H]
+    return static_cast<std::size_t>(hidden) * hidden + hidden;
+  }
+  [[nodiscard]] std::size_t activation() const { return static_cast<std::size_t>(batch) * hidden; }
+};
+
+// ---- the kernels: the same calls, in the same order, for the offloaded and reference runs ----
+
+// out = relu?(in W^T + b); wb holds W [H, H] row-major (out x in) then b [H].
+void forward_layer(const Shape& s, const float* wb, const float* in, float* out, bool relu) {
+  const int h = s.hidden, b = s.batch;
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, b, h, h, 1.0f, in, h, wb, h, 0.0f, out, h);
+  const float* bias = wb + static_cast<std::size_t>(h) * h;
+  for (int r = 0; r < b; ++r) {
+    float* row = out + static_cast<std::size_t>(r) * h;
+    for (int j = 0; j < h; ++j) {
+      const float v = row[j] + bias[j];
+      row[j] = relu ? (v > 0.0f ? v : 0.0f) : v;
+    }
+  }
+}
+
+// Mean squared error and its gradient with respect to `out`.
+double loss_and_grad(const Shape& s, const float* out, const float* target, float* dout) {
+  const std::size_t n = s.activation();
+  const float scale = 2.0f / static_cast<float>(n);
+  double sum = 0;
+  for (std::size_t k = 0; k < n; ++k) {
+    const float d = out[k] - target[k];
+    sum += static_cast<double>(d) * d;
+    dout[k] = scale * d;
+  }
+  return sum / static_cast<double>(n);
+}
+
+// From dz (the gradient at this layer's pre-activation output): grad = [dz^T in | sum_b dz];
+// din = (dz W) masked by in > 0 (in is the previous layer's relu output), unless null.
+void backward_layer(const Shape& s, const float* wb, const float* in, const float* dz, float* grad,
+                    float* din) {
+  const int h = s.hidden, b = s.batch;
+  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, h, h, b, 1.0f, dz, h, in, h, 0.0f, grad, h);
+  float* db = grad + static_cast<std::size_t>(h) * h;
+  std::fill(db, db + h, 0.0f);
+  for (int r = 0; r < b; ++r)
+    for (int j = 0; j < h; ++j)
+      db[j] += dz[static_cast<std::size_t>(r) * h + j];
+  if (din == nullptr) return;
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, b, h, h, 1.0f, dz, h, wb, h, 0.0f, din, h);
+  for (std::size_t k = 0; k < s.activation(); ++k)
+    if (!(in[k] > 0.0f)) din[k] = 0.0f;
+}
+
+void adam(const Shape& s, const TrainConfig& c, float* params, float* states, const float* grad,
+          std::uint64_t step) {
+  optim::AdamConfig config;
+  config.lr = c.lr;
+  optim::AdamArgs args;
+  args.params = params;
+  args.exp_avg = states;
+  args.exp_avg_sq = states + s.params();
+  args.grads = grad;
+  args.grad_dtype = DType::F32;
+  args.count = s.params();
+  args.step = step;
+  optim::adam_step(config, args);
+}
+
+// Targets come from a fixed random teacher with a narrow hidden layer:
+// t = relu(x T1^T) T2^T, T1 [K, H], T2 [H, K], x uniform in [-1, 1); targets have variance ~1.
+class Data {
+ public:
+  static constexpr int kTeacherWidth = 32;
+  Data(const Shape& s, std::uint64_t seed) : s_(s), seed_(seed) {
+    const std::size_t hk = static_cast<std::size_t>(s.hidden) * kTeacherWidth;
+    const float a1 = std::sqrt(18.0f / static_cast<float>(s.hidden));
+    const float a2 = std::sqrt(3.0f / static_cast<float>(kTeacherWidth));
+    t1_.resize(hk);
+    t2_.resize(hk);
+    for (std::size_t k = 0; k < hk; ++k) {
+      t1_[k] = a1 * uniform(seed, kTeacherStream, k);
+      t2_[k] = a2 * uniform(seed, kTeacherStream + 1, k);
+    }
+    hidden_.resize(static_cast<std::size_t>(s.batch) * kTeacherWidth);
+  }
+  void batch(int step, float* x, float* target) {
+    const int h = s_.hidden, b = s_.batch, k = kTeacherWidth;
+    for (std::size_t i = 0; i < s_.activation(); ++i)
+      x[i] = uniform(seed_, kDataStream + static_cast<std::uint64_t>(step), i);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, b, k, h, 1.0f, x, h, t1_.data(), h, 0.0f,
+                hidden_.data(), k);
+    for (float& v : hidden_)
+      v = v > 0.0f ? v : 0.0f;
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, b, h, k, 1.0f, hidden_.data(), k,
+                t2_.data(), k, 0.0f, target, h);
+  }
+
+ private:
+  Shape s_;
+  std::uint64_t seed_;
+  std::vector<float> t1_, t2_, hidden_;
+};
+
+// He (Kaiming) uniform init for the weights, U(-sqrt(6/in), sqrt(6/in)), so that a deep relu
+// stack neither vanishes nor explodes; zero biases.
+std::vector<float> initial_params(const Shape& s, std::uint64_t seed, int layer) {
+  std::vector<float> p(s.params(), 0.0f);
+  const float bound = std::sqrt(6.0f / static_cast<float>(s.hidden));
+  const std::size_t weights = static_cast<std::size_t>(s.hidden) * s.hidden;
+  for (std::size_t k = 0; k < weights; ++k)
+    p[k] = bound * uniform(seed, kInitStream + static_cast<std::uint64_t>(layer), k);
+  return p;
+}
+
+// Forward, backward and optimizer alone, on scratch buffers of one layer's size (every layer
+// has the same shape): medians of three repetitions over all layers.
+void measure_compute(const Shape& s, const TrainConfig& c, TrainResult& r) {
+  std::vector<float> w = initial_params(s, c.seed, 0), m(2 * s.params(), 0.0f);
+  std::vector<float> g(s.params()), in(s.activation()), out(s.activation()), dz(s.activation());
+  for (std::size_t k = 0; k < in.size(); ++k) {
+    in[k] = std::max(0.0f, uniform(c.seed, 7, k));
+    dz[k] = 1e-3f * uniform(c.seed, 8, k);
+  }
+  std::vector<double> f, b, o;
+  for (int rep = 0; rep < 3; ++rep) {
+    auto t0 = Clock::now();
+    for (int i = 0; i < s.layers; ++i)
+      forward_layer(s, w.data(), in.data(), out.data(), i + 1 < s.layers);
+    f.push_back(seconds_since(t0));
+    t0 = Clock::now();
+    for (int i = 0; i < s.layers; ++i)
+      backward_layer(s, w.data(), in.data(), dz.data(), g.data(), i > 0 ? out.data() : nullptr);
+    b.push_back(seconds_since(t0));
+    t0 = Clock::now();
+    for (int i = 0; i < s.layers; ++i)
+      adam(s, c, w.data(), m.data(), g.data(), static_cast<std::uint64_t>(rep) + 1);
+    o.push_back(seconds_since(t0));
+  }
+  r.forward_s = median(f);
+  r.backward_s = median(b);
+  r.optimizer_s = median(o);
+}
+
+TrainResult train_reference(const TrainConfig& c, const Shape& s) {
+  TrainResult r;
+  const std::size_t p = s.params();
+  std::vector<std::vector<float>> w, st, g(s.layers, std::vector<float>(p));
+  for (int i = 0; i < s.layers; ++i) {
+    w.push_back(initial_params(s, c.seed, i));
+    st.emplace_back(2 * p, 0.0f);
+  }
+  std::vector<std::vector<float>> act(s.layers, std::vector<float>(s.activation()));
+  std::vector<float> out(s.activation()), target(s.activation()), dz(s.activation()),
+      din(s.activation());
+  Data data(s, c.seed);
+  std::vector<double> times;
+  for (int step = 0; step < c.steps; ++step) {
+    const auto t0 = Clock::now();
+    data.batch(step, act[0].data(), target.data());
+    for (int i = 0; i < s.layers; ++i) {
+      const bool last = i + 1 == s.layers;
+      forward_layer(s, w[i].data(), act[i].data(), last ? out.data() : act[i + 1].data(), !last);
+    }
+    r.losses.push_back(loss_and_grad(s, out.data(), target.data(), dz.data()));
+    for (int i = s.layers - 1; i >= 0; --i) {
+      backward_layer(s, w[i].data(), act[i].data(), dz.data(), g[i].data(),
+                     i > 0 ? din.data() : nullptr);
+      std::swap(dz, din);
+      adam(s, c, w[i].data(), st[i].data(), g[i].data(), static_cast<std::uint64_t>(step) + 1);
+    }
+    times.push_back(seconds_since(t0));
+  }
+  r.step_s = median(times);
+  r.peak_host_bytes = (s.layers * 4 * p + (s.layers + 4) * s.activation()) * sizeof(float);
+  r.stats_json = "{}";
+  r.pipeline_json = "{}";
+  return r;
+}
+
+// Device memory of the example's own (activations, batch, target, two gradient buffers), from
+// the device budget, beside the runtime's copies.
+class DeviceBuffers {
+ public:
+  DeviceBuffers(Backend& backend, const Shape& s) : backend_(backend) {
+    for (int i = 0; i < s.layers + 4; ++i)
+      ptrs_.push_back(static_cast<float*>(backend.allocate_device(s.activation() * sizeof(float))));
+  }
+  ~DeviceBuffers() {
+    for (float* p : ptrs_)
+      backend_.deallocate_device(p);
+  }
+  DeviceBuffers(const DeviceBuffers&) = delete;
+  DeviceBuffers& operator=(const DeviceBuffers&) = delete;
+  float* act(int i) { return ptrs_[i]; }  // act(0) is the input batch
+  float* out() { return ptrs_[ptrs_.size() - 4]; }
+  float* target() { return ptrs_[ptrs_.size() - 3]; }
+  float* dz() { return ptrs_[ptrs_.size() - 2]; }
+  float* din() { return ptrs_[ptrs_.size() - 1]; }
+
+ private:
+  Backend& backend_;
+  std::vector<float*> ptrs_;
+};
+
+// A temporary NVMe directory, removed with everything in it.
+class OwnedDir {
+ public:
+  OwnedDir() {
+    char tmpl[] = "/var/tmp/strata-train-XXXXXX";
+    STRATA_EXPECTS(::mkdtemp(tmpl) != nullptr,
+                   "--nvme-dir: cannot make a temporary directory "
+                   "under /var/tmp: ",
+                   std::strerror(errno));
+    path_ = tmpl;
+  }
+  ~OwnedDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  OwnedDir(const OwnedDir&) = delete;
+  OwnedDir& operator=(const OwnedDir&) = delete;
+  [[nodiscard]] const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+void check_nvme_dir(const std::string& dir) {
+  std::error_code ec;
+  const auto status = std::filesystem::status(dir, ec);
+  STRATA_EXPECTS(std::filesystem::exists(status), "--nvme-dir ", dir, ": does not exist");
+  STRATA_EXPECTS(std::filesystem::is_directory(status), "--nvme-dir ", dir, ": is not a directory");
+  STRATA_EXPECTS(::access(dir.c_str(), W_OK | X_OK) == 0, "--nvme-dir ", dir,
+                 ": cannot write there (", std::strerror(errno), ")");
+}
+
+struct Budgets {
+  std::size_t device, host, staging;
+};
+
+Budgets resolve_budgets(const TrainConfig& c, const Shape& s) {
+  const std::size_t p4 = s.params() * sizeof(float);
+  const std::size_t layers = static_cast<std::size_t>(s.layers);
+  const std::size_t act = (layers + 4) * align_up(s.activation() * sizeof(float), 256);
+  // Four staging slots for NVMe -> device: half a layer each, between 64 and 512 KiB.
+  const std::size_t staging = 4 * std::clamp(align_up(p4 / 2, 64 * KiB), 64 * KiB, 512 * KiB);
+  Budgets b{c.device_budget, c.host_budget, staging};
+  // Device: the activations and one backward step (a layer's weights and its gradient), or
+  // everything when nothing is offloaded.
+  const std::size_t device_need =
+      act + (c.offload == Offload::None ? layers * 4 * p4 : 2 * align_up(p4, 256));
+  if (b.device == 0)
+    b.device = c.offload == Offload::None ? device_need + 16 * MiB
+                                          : act + (layers / 2 + 2) * align_up(p4, 256);
+  STRATA_EXPECTS(b.device >= device_need, "device budget ", format_bytes(b.device),
+                 " cannot hold the working set: activations ", format_bytes(act), " (", s.layers,
+                 " layers + 4 buffers of ", s.batch, " x ", s.hidden, " fp32) + ",
+                 c.offload == Offload::None ? "every layer's weights, gradient and Adam states "
+                                            : "one layer's weights and gradient ",
+                 format_bytes(device_need - act), " = ", format_bytes(device_need),
+                 "; raise --device-budget or lower --batch / --hidden");
+  if (c.offload == Offload::None) {
+    b.host = b.host == 0 ? staging + 4 * MiB : b.host;
+    return b;
+  }
+  // Host: one optimizer step (a layer's master weights, both moments and its gradient); for
+  // host offload, every layer's.
+  const std::size_t layer_host = 4 * align_up(p4, kPageBytes);
+  const std::size_t host_need = staging + (c.offload == Offload::Host ? layers : 1) * layer_host;
+  if (b.host == 0) {
+    b.host = c.offload == Offload::Host
+                 ? host_need + 4 * MiB
+                 : std::max(layers * 3 * p4 / 4 / kPageBytes * kPageBytes, host_need + layer_host);
+  }
+  STRATA_EXPECTS(b.host >= host_need, "host budget ", format_bytes(b.host),
+                 " cannot hold the optimizer's working set: ",
+                 c.offload == Offload::Host ? "every layer's" : "one layer's",
+                 " master weights, Adam moments and gradient ", format_bytes(host_need - staging),
+                 " + staging ", format_bytes(staging), " = ", format_bytes(host_need),
+                 "; raise --host-budget");
+  return b;
+}
+
+TrainResult train_offloaded(const TrainConfig& c, const Shape& s) {
+  TrainResult r;
+  const Budgets budgets = resolve_budgets(c, s);
+  r.device_budget = budgets.device;
+  r.host_budget = budgets.host;
+  const std::size_t p = s.params(), p4 = p * sizeof(float);
+
+  std::unique_ptr<OwnedDir> owned;
+  std::string dir = c.nvme_dir;
+  if (c.offload == Offload::Nvme) {
+    if (dir.empty()) {
+      owned = std::make_unique<OwnedDir>();
+      dir = owned->path();
+    }
+    check_nvme_dir(dir);
+  }
+  RuntimeOptions o;
+  o.backend.kind = parse_backend_kind(c.backend, "--backend");
+  o.backend.device_budget_bytes = budgets.device;
+  o.host_budget_bytes = budgets.host;
+  o.staging_chunk_bytes = budgets.staging / 4;
+  o.staging_chunks = 4;
+  o.quiet = c.quiet;
+  if (c.offload == Offload::Nvme) {
+    o.nvme.paths = {dir};
+    o.nvme.capacity_bytes =
+        align_up(static_cast<std::uint64_t>(s.layers) * 4 * p4 * 5 / 4 + 64 * MiB, MiB);
+    o.io.block_size = budgets.staging / 4;
+    for (const std::string& f : c.io_faults)
+      o.io.faults.push_back(parse_fault(f));
+  }
+  Runtime rt(o);
+  STRATA_EXPECTS(rt.backend().info().host_addressable, "--backend ", c.backend,
+                 ": this example's kernels are OpenBLAS on the host backend; the CUDA backend "
+                 "would need cuBLAS kernels, which it does not have yet (use --backend host)");
+
+  // The model: per layer its parameters (master fp32; the device copy is the working weights),
+  // its Adam moments [m | v], and its gradient.
+  const Tier home = c.offload == Offload::None   ? Tier::Device
+                    : c.offload == Offload::Host ? Tier::Host
+                                                 : Tier::Nvme;
+  const Tier opt = c.offload == Offload::None ? Tier::Device : Tier::Host;
+  std::vector<TensorId> w, st, g;
+  for (int i = 0; i < s.layers; ++i) {
+    const std::string prefix = "layers." + std::to_string(i) + ".";
+    const std::vector<float> init = initial_params(s, c.seed, i);
+    TensorDesc d{
+        prefix + "params", p4, DType::F32, {static_cast<std::int64_t>(p)}, TensorKind::Param};
+    w.push_back(rt.create_tensor(d, home, init.data()));
+    d = {prefix + "adam",
+         2 * p4,
+         DType::F32,
+         {2, static_cast<std::int64_t>(p)},
+         TensorKind::OptimizerState};
+    st.push_back(rt.create_tensor(d, home));
+    d = {prefix + "grad", p4, DType::F32, {static_cast<std::int64_t>(p)}, TensorKind::Grad};
+    g.push_back(rt.create_tensor(d, c.offload == Offload::None ? Tier::Device : Tier::Host));
+    rt.discard(g.back());  // not computed yet: no bytes anywhere until backward writes them
+  }
+  DeviceBuffers buf(rt.backend(), s);
+  std::vector<float> x(s.activation()), target(s.activation());
+  Data data(s, c.seed);
+  std::vector<std::string> fwd, bwd;
+  for (int i = 0; i < s.layers; ++i) {
+    fwd.push_back("forward." + std::to_string(i));
+    bwd.push_back("backward." + std::to_string(i));
+  }
+
+  PipelineOptions po;
+  po.discard_dead = true;                      // a gradient is dead once Adam has read it
+  po.write_back = c.offload != Offload::None;  // none: everything stays on the device
+  const double room = static_cast<double>(budgets.device) -
+                      static_cast<double>(rt.backend().device_stats().current_bytes);
+  po.budget_fraction = std::clamp(room / static_cast<double>(budgets.device), 0.01, 1.0);
+  std::vector<double> times;
+  {
+    PrefetchPipeline pipe(rt, po);
+    tbb::task_group optimizer;
+    for (int step = 0; step < c.steps; ++step) {
+      if (c.on_step) c.on_step(step);
+      const auto t0 = Clock::now();
+      const std::uint64_t adam_step = static_cast<std::uint64_t>(step) + 1;
+      data.batch(step, x.data(), target.data());
+      rt.backend().copy(buf.act(0), x.data(), x.size() * sizeof(float), CopyKind::HostToDevice);
+      rt.backend().copy(buf.target(), target.data(), target.size() * sizeof(float),
+                        CopyKind::HostToDevice);
+      pipe.begin_iteration();
+      for (int i = 0; i < s.layers; ++i) {
+        StepLeases in = pipe.begin_step(fwd[i], {{w[i], Use::Read, Tier::Device}});
+        in.wait();
+        const bool last = i + 1 == s.layers;
+        forward_layer(s, in[0].as<float>(), buf.act(i), last ? buf.out() : buf.act(i + 1), !last);
+        pipe.end_step(std::move(in));
+      }
+      r.losses.push_back(loss_and_grad(s, buf.out(), buf.target(), buf.dz()));
+      // Backward of layer i overlaps Adam of layer i + 1, whose gradient went down to the host
+      // as soon as its backward ended and whose states the planner has been reading meanwhile.
+      float* dz = buf.dz();
+      float* din = buf.din();
+      for (int i = s.layers - 1; i >= -1; --i) {
+        std::vector<TensorUse> uses;
+        if (i >= 0) uses = {{w[i], Use::Read, Tier::Device}, {g[i], Use::Write, Tier::Device}};
+        const int u = i + 1;  // the layer Adam updates in this step
+        if (u < s.layers) {
+          uses.push_back({w[u], Use::ReadWrite, opt});
+          uses.push_back({st[u], Use::ReadWrite, opt});
+          uses.push_back({g[u], Use::Read, opt});
+        }
+        StepLeases in = pipe.begin_step(i >= 0 ? bwd[i] : "adam.0", std::move(uses));
+        in.wait();
+        if (u < s.layers) {
+          optimizer.run([&, u] {
+            adam(s, c, in.of(w[u]).as<float>(), in.of(st[u]).as<float>(), in.of(g[u]).as<float>(),
+                 adam_step);
+          });
+        }
+        if (i >= 0) {
+          backward_layer(s, in[0].as<float>(), buf.act(i), dz, in[1].as<float>(),
+                         i > 0 ? din : nullptr);
+          std::swap(dz, din);
+        }
+        optimizer.wait();
+        pipe.end_step(std::move(in));
+      }
+      pipe.end_iteration();  // rethrows a failed write-back: the states stay where they were
+      times.push_back(seconds_since(t0));
+    }
+    r.pipeline_json = nlohmann::json{{"steps", pipe.stats().steps},
+                                     {"prefetches", pipe.stats().prefetches},
+                                     {"deferred", pipe.stats().deferred},
+                                     {"write_backs", pipe.stats().write_backs},
+                                     {"discards", pipe.stats().discards},
+                                     {"ready_at_begin", pipe.stats().ready_at_begin},
+                                     {"inputs", pipe.stats().inputs},
+                                     {"max_window_bytes", pipe.stats().max_window_bytes},
+                                     {"max_host_window_bytes", pipe.stats().max_host_window_bytes}}
+                          .dump();
+  }
+  r.step_s = median(times);
+  if (const IoEngine* io = rt.io()) {
+    r.bytes_nvme_read = io->stats().bytes_read;
+    r.bytes_nvme_written = io->stats().bytes_written;
+  }
+  r.peak_device_bytes = rt.backend().device_stats().peak_bytes;
+  r.peak_host_bytes = rt.tier_stats(Tier::Host).peak_bytes + budgets.staging;
+
+  // The states' NVMe traffic alone: every layer's master weights and moments read up to the
+  // host and written back, through the same pipeline, with nothing to compute.
+  if (c.measure && c.offload == Offload::Nvme) {
+    PrefetchPipeline pipe(rt, po);
+    for (int pass = 0; pass < 2; ++pass) {
+      const auto t0 = Clock::now();
+      pipe.begin_iteration();
+      for (int i = 0; i < s.layers; ++i) {
+        StepLeases in = pipe.begin_step(
+            "transfer." + std::to_string(i),
+            {{w[i], Use::ReadWrite, Tier::Host}, {st[i], Use::ReadWrite, Tier::Host}});
+        in.wait();
+        pipe.end_step(std::move(in));
+      }
+      pipe.end_iteration();
+      for (int i = 0; i < s.layers; ++i) {  // all the way down, as a training step leaves them
+        rt.evict(w[i], Tier::Host);
+        rt.evict(st[i], Tier::Host);
+      }
+      r.state_transfer_s = seconds_since(t0);  // the second (replayed) pass counts
+    }
+  }
+  r.stats_json = rt.stats_json();
+  return r;
+}
+
+}  // namespace
+
+Offload parse_offload(const std::string& text) {
+  if (text == "none") return Offload::None;
+  if (text == "host") return Offload::Host;
+  if (text == "nvme") return Offload::Nvme;
+  STRATA_FAIL(Errc::invalid_argument, "--offload: \"", text, "\" is not none, host or nvme");
+}
+
+TrainResult train(const TrainConfig& c) {
+  STRATA_EXPECTS(c.layers >= 1 && c.hidden >= 1 && c.batch >= 1 && c.steps >= 1,
+                 "--layers, --hidden, --batch and --steps must be at least 1");
+  STRATA_EXPECTS(c.lr > 0 && std::isfinite(c.lr), "--lr: must be a positive number");
+  const Shape s{c.layers, c.hidden, c.batch};
+  TrainResult r = c.reference ? train_reference(c, s) : train_offloaded(c, s);
+  r.params = static_cast<std::uint64_t>(s.layers) * s.params();
+  r.state_bytes = r.params * 3 * sizeof(float);
+  if (c.measure) measure_compute(s, c, r);
+  return r;
+}
+
+}  // namespace strata::examples
