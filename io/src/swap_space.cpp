@@ -237,7 +237,7 @@ void SwapSpace::add_ops(Transfer& t, const Extent& e, std::uint64_t offset, std:
   const std::size_t direct_bytes = aligned ? bytes / kPageBytes * kPageBytes : 0;
   const std::size_t padded = align_up(bytes, kPageBytes);
   if (padded > direct_bytes) {
-    t.staging = PageBuffer(padded - direct_bytes, false, "Host (staging)");
+    t.staging = take_staging(padded - direct_bytes);
     if (t.op == IoOp::Write) {
       std::memcpy(t.staging.data(), t.user + direct_bytes, bytes - direct_bytes);
     } else {
@@ -301,7 +301,7 @@ void SwapSpace::read(ExtentId id, std::uint64_t offset, void* data, std::size_t 
       if (A == off && aligned && full_end <= end) {
         t->ops.push_back({&m.direct, A, full_end - A, t->user});
       } else {
-        t->staging = PageBuffer(full_end - A, false, "Host (staging)");
+        t->staging = take_staging(full_end - A);
         t->ops.push_back({&m.direct, A, full_end - A, t->staging.data()});
         t->copy_from = off - A;
         t->copy_at = 0;
@@ -335,9 +335,34 @@ void SwapSpace::read(ExtentId id, std::uint64_t offset, void* data, std::size_t 
   start(std::move(t));
 }
 
+PageBuffer SwapSpace::take_staging(std::size_t bytes) {
+  {
+    std::lock_guard lock(staging_mutex_);
+    auto best = staging_pool_.end();
+    for (auto it = staging_pool_.begin(); it != staging_pool_.end(); ++it)
+      if (it->size() >= bytes && (best == staging_pool_.end() || it->size() < best->size()))
+        best = it;
+    if (best != staging_pool_.end()) {
+      PageBuffer b = std::move(*best);
+      staging_pool_.erase(best);
+      staging_pooled_bytes_ -= b.size();
+      return b;
+    }
+  }
+  // Sizes rounded up to 64 KiB so that buffers fit the next transfers of about the same size.
+  return PageBuffer(align_up(bytes, std::size_t{64} << 10), false, "Host (staging)");
+}
+
+void SwapSpace::give_staging(PageBuffer buffer) {
+  std::lock_guard lock(staging_mutex_);
+  if (staging_pooled_bytes_ + buffer.size() > kStagingPoolBytes) return;  // unmapped here
+  staging_pooled_bytes_ += buffer.size();
+  staging_pool_.push_back(std::move(buffer));
+}
+
 void SwapSpace::start(std::shared_ptr<Transfer> t) {
   // Runs when every operation of the transfer has completed.
-  auto finish = [](Transfer& tr) {
+  auto finish = [this](Transfer& tr) {
     std::exception_ptr error = tr.error;
     Extent& e = *tr.extent;
     if (tr.op == IoOp::Write) {
@@ -367,6 +392,7 @@ void SwapSpace::start(std::shared_ptr<Transfer> t) {
         }
       }
     }
+    if (tr.staging.size() > 0) give_staging(std::move(tr.staging));
     IoCallback done = std::move(tr.done);
     done(error);
   };

@@ -554,6 +554,7 @@ struct Runtime::Impl {
     ExtentId extent = 0;
     std::byte* device = nullptr;
     std::byte* host = nullptr;  // landing in the host copy, or null for staging
+    bool direct = false;        // Note [Direct NVMe to device]: landing in the device copy
     std::uint64_t bytes = 0, chunk = 0;
     std::size_t chunks = 0, next = 0, enqueued = 0, done = 0, in_flight = 0, max_in_flight = 2;
     std::vector<std::byte*> slots;  // staging slots held and free for the next chunk
@@ -582,7 +583,14 @@ struct Runtime::Impl {
         h.version = version;
         p->host = h.ptr;
       }
-      p->event = std::shared_ptr<Event>(backend->create_event());  // device leases wait on it
+      // Note [Direct NVMe to device]: a host-addressable device with no link model (the host
+      // backend, unpaced) is host memory. When no host copy is kept on the way, the chunks land
+      // in the device copy itself: one copy fewer than staging then copying. Device leases wait
+      // for the whole read (no stream event). A paced link or a CUDA device always stages.
+      p->direct =
+          p->host == nullptr && backend->info().host_addressable && backend->info().link_gbps == 0;
+      if (!p->direct)
+        p->event = std::shared_ptr<Event>(backend->create_event());  // device leases wait on it
     }
     pump(p);
   }
@@ -593,6 +601,8 @@ struct Runtime::Impl {
       std::byte* landing = nullptr;
       if (p->host != nullptr) {
         landing = p->host + p->next * p->chunk;
+      } else if (p->direct) {
+        landing = p->device + p->next * p->chunk;
       } else if (!p->slots.empty()) {
         landing = p->slots.back();
         p->slots.pop_back();
@@ -610,7 +620,7 @@ struct Runtime::Impl {
   }
 
   void give_back_slot(const std::shared_ptr<Pipeline>& p, std::byte* slot) {
-    if (p->host != nullptr) return;
+    if (p->host != nullptr || p->direct) return;
     if (p->next < p->chunks && !p->error) {
       p->slots.push_back(slot);
       return;
@@ -637,6 +647,14 @@ struct Runtime::Impl {
             if (!p->error) p->error = e;
             --p->in_flight;
             give_back_slot(p, landing);
+            chunk_done(lock, p);
+            return;
+          }
+          if (p->direct) {  // already in the device copy
+            std::unique_lock lock(mutex);
+            --p->in_flight;
+            ++p->done;
+            pump(p);
             chunk_done(lock, p);
             return;
           }

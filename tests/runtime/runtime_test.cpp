@@ -284,21 +284,57 @@ TEST_F(RuntimeTest, AFailedLoadSurfacesOnTheFutureAndTheTensorSurvives) {
   EXPECT_EQ(leased_bytes(lease), data);
 }
 
+// Which lanes moved `t`: NVMe reads, host-to-device copies.
+std::pair<int, int> lanes_of(Runtime& rt, TensorId t) {
+  int nvme = 0, h2d = 0;
+  for (const TraceEvent& e : rt.telemetry().events()) {
+    if (e.tensor != t) continue;
+    nvme += e.track == Track::NvmeRead;
+    h2d += e.track == Track::H2D;
+  }
+  return {nvme, h2d};
+}
+
 TEST_F(RuntimeTest, NvmeToDeviceGoesThroughStagingWhenTheHostIsFull) {
   Budgets b;
   b.device = 2 * MiB;
-  auto rt = make(b);  // host tier: 1 MiB - 256 KiB staging = 768 KiB
+  auto o = small_options(dir_.path(), b);  // host tier: 1 MiB - 256 KiB staging = 768 KiB
+  o.backend.link_gbps = 100;               // a modelled link: always the staged pipeline
+  auto rt = std::make_unique<Runtime>(o);
   const auto data = pattern(1 * MiB + 4096 * 3 + 7, 4);
   const TensorId t = rt->create_tensor(desc("big", data.size()), Tier::Nvme, data.data());
   Lease lease = rt->acquire(t, Tier::Device, Access::Read).get();
   EXPECT_EQ(leased_bytes(lease), data);
   EXPECT_FALSE(rt->resident(t, Tier::Host));  // it never fit there
+  const auto [nvme, h2d] = lanes_of(*rt, t);
+  EXPECT_EQ(nvme, 17);  // 16 chunks of 64 KiB, then the last partial one
+  EXPECT_EQ(h2d, 17);
   // Written on the device and evicted: back to NVMe through staging.
   auto v2 = pattern(data.size(), 5);
   lease.release();
   rt->write(t, v2.data(), v2.size());
   rt->evict(t, Tier::Device);
   EXPECT_EQ(contents(*rt, t), v2);
+}
+
+TEST_F(RuntimeTest, AnUnpacedHostDeviceReadsNvmeDirectlyWhenTheHostIsFull) {
+  Budgets b;
+  b.device = 2 * MiB;
+  auto rt = make(b);  // host backend, no link model: device memory is host memory
+  const auto data = pattern(1 * MiB + 4096 * 3 + 7, 4);
+  const TensorId t = rt->create_tensor(desc("big", data.size()), Tier::Nvme, data.data());
+  Lease lease = rt->acquire(t, Tier::Device, Access::Read).get();
+  EXPECT_EQ(lease.event(), nullptr);  // the bytes are there: nothing left on a stream
+  EXPECT_EQ(leased_bytes(lease), data);
+  EXPECT_FALSE(rt->resident(t, Tier::Host));
+  const auto [nvme, h2d] = lanes_of(*rt, t);
+  EXPECT_EQ(nvme, 17);  // 17 chunks read into the device copy
+  EXPECT_EQ(h2d, 0);    // and no second copy
+  // A tensor that fits the host still keeps a host copy on the way (staged).
+  const auto small = pattern(100 * KiB, 5);
+  const TensorId s = rt->create_tensor(desc("small", small.size()), Tier::Nvme, small.data());
+  EXPECT_EQ(leased_bytes(rt->acquire(s, Tier::Device, Access::Read).get()), small);
+  EXPECT_TRUE(rt->resident(s, Tier::Host));
 }
 
 TEST_F(RuntimeTest, MappedTensorsAreNeverWritten) {

@@ -13,6 +13,7 @@
 
 #include "strata/io/file.h"
 #include "strata/io/io_engine.h"
+#include "strata/io/pages.h"
 #include "strata/io/range_allocator.h"
 
 namespace strata {
@@ -105,6 +106,11 @@ class SwapSpace {
                                                  std::size_t bytes, IoCallback done);
   std::shared_ptr<Extent> find(ExtentId id) const;
   void start(std::shared_ptr<Transfer> t);
+  /// Page-aligned staging for unaligned transfers, reused: a fresh mapping per transfer would
+  /// cost a page fault per page. At most kStagingPoolBytes are kept.
+  PageBuffer take_staging(std::size_t bytes);
+  void give_staging(PageBuffer buffer);
+  static constexpr std::size_t kStagingPoolBytes = std::size_t{32} << 20;
 
   SwapOptions options_;
   IoEngine& engine_;
@@ -115,6 +121,9 @@ class SwapSpace {
   ExtentId next_id_ = 1;
   std::unordered_map<ExtentId, std::shared_ptr<Extent>> extents_;
   std::unordered_map<std::string, std::shared_ptr<MappedFile>> mapped_;
+  std::mutex staging_mutex_;
+  std::vector<PageBuffer> staging_pool_;
+  std::size_t staging_pooled_bytes_ = 0;
 };
 
 }  // namespace strata
