@@ -19,7 +19,7 @@
 #include "strata/io/units.h"
 #include "strata/runtime/runtime.h"
 #include "strata/scheduler/prefetch_pipeline.h"
-#include "svg_timeline.h"
+#include "strata/runtime/svg_timeline.h"
 
 namespace strata::bench {
 namespace {

@@ -40,7 +40,8 @@ constexpr std::array<DTypeName, 10> kDTypes{{{"F64", DType::F64},
                                              {"U8", DType::U8},
                                              {"BOOL", DType::Bool}}};
 constexpr std::array<std::string_view, 11> kKnownUnsupported{
-    "U16", "U32", "U64", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4", "C64", "C128"};
+    "U16",     "U32",     "U64", "F8_E4M3", "F8_E5M2", "F8_E8M0",
+    "F6_E2M3", "F6_E3M2", "F4",  "C64",     "C128"};
 
 std::string_view format_name(DType d) {
   for (const DTypeName& n : kDTypes)
@@ -55,8 +56,7 @@ class Parser {
 
   template <typename... Args>
   [[noreturn]] void fail(Args&&... args) const {
-    throw Error(Errc::corrupt_data,
-                detail::concat(source_, ": ", std::forward<Args>(args)...));
+    throw Error(Errc::corrupt_data, detail::concat(source_, ": ", std::forward<Args>(args)...));
   }
   template <typename... Args>
   [[noreturn]] void fail_tensor(const std::string& name, Args&&... args) const {
@@ -229,9 +229,9 @@ std::uint64_t check_length(std::uint64_t n, std::uint64_t file_bytes, std::strin
     throw Error(Errc::corrupt_data, detail::concat(src, ": header length ", n, " exceeds the ",
                                                    kMaxHeaderBytes, "-byte limit"));
   if (n > file_bytes - 8)
-    throw Error(Errc::corrupt_data, detail::concat(src, ": header length ", n,
-                                                   " runs past the end of the file (",
-                                                   file_bytes, " bytes)"));
+    throw Error(Errc::corrupt_data,
+                detail::concat(src, ": header length ", n, " runs past the end of the file (",
+                               file_bytes, " bytes)"));
   return n;
 }
 
@@ -277,9 +277,7 @@ Header parse_header(std::string_view json_text, std::uint64_t file_bytes, std::s
 
 Header parse_image(std::string_view image, std::string_view source) {
   const std::uint64_t n =
-      image.size() >= 8
-          ? load_le64(reinterpret_cast<const unsigned char*>(image.data()))
-          : 0;
+      image.size() >= 8 ? load_le64(reinterpret_cast<const unsigned char*>(image.data())) : 0;
   check_length(n, image.size(), source);
   return parse_header(image.substr(8, n), image.size(), source);
 }
@@ -325,8 +323,8 @@ Writer::Writer(const std::string& path, std::vector<TensorSpec> tensors,
   std::uint64_t offset = 0;
   std::set<std::string> seen;
   for (const TensorSpec& t : tensors) {
-    STRATA_EXPECTS(t.name != kMetadataKey && seen.insert(t.name).second, "safetensors writer: ",
-                   "tensor name \"", t.name, "\" is reserved or repeated");
+    STRATA_EXPECTS(t.name != kMetadataKey && seen.insert(t.name).second,
+                   "safetensors writer: ", "tensor name \"", t.name, "\" is reserved or repeated");
     std::uint64_t bytes = dtype_bytes(t.dtype);
     for (std::int64_t d : t.shape) {
       STRATA_EXPECTS(d >= 0, "safetensors writer: tensor \"", t.name, "\" has a negative dim");

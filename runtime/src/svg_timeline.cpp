@@ -1,4 +1,4 @@
-#include "svg_timeline.h"
+#include "strata/runtime/svg_timeline.h"
 
 #include <algorithm>
 #include <cerrno>
@@ -9,7 +9,7 @@
 #include "strata/io/error.h"
 #include "strata/io/units.h"
 
-namespace strata::bench {
+namespace strata {
 
 void write_svg_timeline(const std::string& path, const Runtime& runtime, const Telemetry& telemetry,
                         const std::string& title) {
@@ -95,4 +95,4 @@ void write_svg_timeline(const std::string& path, const Runtime& runtime, const T
   if (!out) throw IoError(Errc::io_error, path, 0, text.size(), errno, "write of the SVG");
 }
 
-}  // namespace strata::bench
+}  // namespace strata

@@ -6,10 +6,10 @@
 
 #include "strata/runtime/runtime.h"
 
-namespace strata::bench {
+namespace strata {
 
 /// Writes the SVG to `path`; throws IoError naming the path.
 void write_svg_timeline(const std::string& path, const Runtime& runtime, const Telemetry& telemetry,
                         const std::string& title);
 
-}  // namespace strata::bench
+}  // namespace strata

@@ -1,0 +1,82 @@
+// Streaming inference of an MLP stored in a safetensors file: layers.{i}.weight [out, in] and
+// layers.{i}.bias [out] (F32, F16 or BF16), y = relu(W x + b) after every layer but the last,
+// computed in fp32. The streamed run maps the file's tensors into a Runtime (the file is their
+// NVMe home) and prefetches them layer by layer; the reference reads every weight into memory
+// with plain reads. Both run the same kernels in the same order: their outputs are bitwise equal.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "strata/runtime/safetensors.h"
+#include "strata/runtime/tensor.h"
+
+namespace strata::examples {
+
+struct LayerSpec {
+  const safetensors::TensorInfo* weight = nullptr;
+  const safetensors::TensorInfo* bias = nullptr;
+  int in = 0, out = 0;
+};
+
+struct ModelSpec {
+  std::vector<LayerSpec> layers;
+  std::uint64_t model_bytes = 0;  ///< the layers' bytes in the file
+  [[nodiscard]] int input_dim() const { return layers.front().in; }
+  [[nodiscard]] int output_dim() const { return layers.back().out; }
+  [[nodiscard]] int max_dim() const;
+  [[nodiscard]] std::uint64_t largest_layer_bytes(std::size_t* which = nullptr) const;
+};
+
+/// Checks that the header describes a streamable MLP (consecutive layers from 0, a bias for every
+/// weight, matching shapes, F32/F16/BF16). Throws strata::Error naming the tensor and problem.
+ModelSpec describe_model(const safetensors::Header& header, const std::string& path);
+
+/// Writes a synthetic model of `layers` layers of `hidden` x `hidden` (He-uniform weights, small
+/// biases) a few MiB at a time, never holding a layer. Returns the file's size.
+std::uint64_t generate_model(const std::string& path, int layers, int hidden, DType dtype,
+                             std::uint64_t seed = 1);
+
+struct InferenceConfig {
+  std::string model;
+  std::vector<float> input;  ///< [batch, in], row-major
+  int batch = 1;
+  std::size_t device_budget = 0;  ///< 0: model / 8, at least what one layer needs
+  std::size_t host_budget = 0;    ///< 0: 64 MiB
+  std::string backend = "host";
+  std::string prefetch = "auto";  ///< none | auto | K (a fixed lookahead of K layers)
+  int passes = 3;                 ///< timed passes, each from cold (after one warm-up pass)
+  bool measure = true;            ///< compute_s and transfer_s alone
+  std::string trace;              ///< Chrome trace of the last pass
+  std::string svg;                ///< SVG timeline of the last pass
+  bool quiet = true;
+};
+
+struct InferenceResult {
+  std::vector<float> output;  ///< [batch, out]
+  ModelSpec model;
+  std::size_t device_budget = 0, host_budget = 0;
+  double step_s = 0;  ///< median of the timed passes
+  double compute_s = 0, transfer_s = 0;
+  double roofline = 0;
+  double gbps_nvme_read = 0;
+  double samples_per_s = 0;
+  std::uint64_t bytes_nvme_read = 0;  ///< in the timed passes
+  std::uint64_t peak_device_bytes = 0;
+  bool passes_agree = true;  ///< every pass gave the same output
+};
+
+/// Streams the model through the runtime's pipeline.
+InferenceResult run_streamed(const InferenceConfig& config);
+/// Reads every weight into memory with plain reads and runs the same forward pass.
+std::vector<float> run_reference(const std::string& model, const std::vector<float>& input,
+                                 int batch);
+
+/// CRC32C of the output's bytes, as 8 hex digits.
+std::string output_checksum(const std::vector<float>& output);
+/// The process's peak resident set (VmHWM), in bytes; 0 when unknown.
+std::uint64_t peak_rss_bytes();
+
+}  // namespace strata::examples
