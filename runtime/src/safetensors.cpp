@@ -13,7 +13,6 @@
 #include <nlohmann/json.hpp>
 
 #include "strata/io/error.h"
-#include "strata/runtime/runtime.h"
 
 namespace strata::safetensors {
 namespace {
@@ -386,16 +385,6 @@ void Writer::finish() {
   if (::fsync(fd_) != 0) throw IoError(Errc::io_error, path_, 0, total_, errno, "fsync");
   const int fd = std::exchange(fd_, -1);
   if (::close(fd) != 0) throw IoError(Errc::io_error, path_, 0, total_, errno, "close");
-}
-
-std::unordered_map<std::string, TensorId> map_file(Runtime& runtime, const std::string& path,
-                                                   const Header& header) {
-  std::unordered_map<std::string, TensorId> ids;
-  for (const TensorInfo& t : header.tensors) {
-    if (t.bytes() == 0) continue;  // nothing to map
-    ids.emplace(t.name, runtime.map_tensor(t.desc(), path, t.offset));
-  }
-  return ids;
 }
 
 }  // namespace strata::safetensors

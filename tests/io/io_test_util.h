@@ -8,6 +8,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -71,6 +73,18 @@ class SmallTmpfs {
   bool mounted_ = false;
   std::string why_not_;
 };
+
+/// A whole file's bytes; empty when it cannot be read.
+inline std::string read_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
+}
+
+/// Writes `bytes` as the whole file at `path`.
+inline void write_bytes(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc)
+      .write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
 
 inline void fill_pattern(void* data, std::size_t bytes, unsigned seed) {
   auto* p = static_cast<unsigned char*>(data);
