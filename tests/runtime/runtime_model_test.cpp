@@ -118,7 +118,7 @@ INSTANTIATE_TEST_SUITE_P(
                                      {"read:40:eio", "read:97:short", "write:60:eio",
                                       "write:150:enospc", "read:300:eio", "write:400:eio"}),
                                 3000}),
-    [](const auto& info) { return std::string(info.param.name); });
+    [](const auto& test) { return std::string(test.param.name); });
 
 }  // namespace
 }  // namespace strata::testing
