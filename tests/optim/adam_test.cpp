@@ -1,6 +1,9 @@
 #include "strata/optim/adam.h"
 
 #include <gtest/gtest.h>
+#include <immintrin.h>
+
+#include <bit>
 
 #include <cmath>
 #include <random>
@@ -129,6 +132,42 @@ TEST(Adam, ConversionsRoundToNearestEven) {
   EXPECT_EQ(float_to_f16(std::ldexp(1.0f, -24)), 0x0001);
   for (std::uint32_t h = 0; h < 0x7C00; ++h)  // every finite f16 round-trips
     ASSERT_EQ(float_to_f16(f16_to_float(static_cast<std::uint16_t>(h))), h) << h;
+}
+
+// The F16C instructions the f16 paths use (Note [f16 through F16C]) agree with the software
+// conversions on every f16 value (NaNs included) and on floats around every rounding case.
+__attribute__((target("avx,f16c"))) void hardware_f16(const std::uint16_t* h, float* f,
+                                                      const float* in, std::uint16_t* out) {
+  _mm256_storeu_ps(f, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h))));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
+                   _mm256_cvtps_ph(_mm256_loadu_ps(in), _MM_FROUND_TO_NEAREST_INT));
+}
+
+TEST(Adam, F16CAgreesWithTheSoftwareConversions) {
+  if (!__builtin_cpu_supports("f16c") || !__builtin_cpu_supports("avx"))
+    GTEST_SKIP() << "this CPU has no F16C: the f16 paths use the software conversions only";
+  std::uint32_t seed = 12345;
+  for (std::uint32_t base = 0; base < 0x10000; base += 8) {
+    std::uint16_t h[8];
+    float in[8], f[8];
+    std::uint16_t out[8];
+    for (int k = 0; k < 8; ++k) {
+      h[k] = static_cast<std::uint16_t>(base + k);
+      seed = seed * 1664525u + 1013904223u;
+      // Floats near f16 values (halfway cases, subnormals, overflow) and random bit patterns.
+      const std::uint32_t bits = (k % 2 == 0) ? std::bit_cast<std::uint32_t>(f16_to_float(h[k])) +
+                                                    ((seed >> 20) & 0x1FFFu) - 0x1000u
+                                              : seed;
+      in[k] = std::bit_cast<float>(bits);
+    }
+    hardware_f16(h, f, in, out);
+    for (int k = 0; k < 8; ++k) {
+      ASSERT_EQ(std::bit_cast<std::uint32_t>(f16_to_float(h[k])),
+                std::bit_cast<std::uint32_t>(f[k]))
+          << std::hex << h[k];
+      ASSERT_EQ(float_to_f16(in[k]), out[k]) << std::hex << std::bit_cast<std::uint32_t>(in[k]);
+    }
+  }
 }
 
 TEST(Adam, RejectsBadArguments) {
