@@ -286,6 +286,7 @@ TEST_F(RuntimeTest, AFailedLoadSurfacesOnTheFutureAndTheTensorSurvives) {
 
 // Which lanes moved `t`: NVMe reads, host-to-device copies.
 std::pair<int, int> lanes_of(Runtime& rt, TensorId t) {
+  rt.synchronize();  // a lease may go out before the last copy's span is recorded
   int nvme = 0, h2d = 0;
   for (const TraceEvent& e : rt.telemetry().events()) {
     if (e.tensor != t) continue;
