@@ -192,9 +192,10 @@ void PrefetchPipeline::end_step(StepLeases leases) {
   // schedule_ changes only on this (the driving) thread: no lock needed to read it here.
   const bool traced = leases.traced_ && !schedule_.empty();
   std::uint64_t discarded = 0;
+  std::vector<bool> dead(leases.leases_.size(), false);  // bytes no later step reads
   for (std::size_t i = 0; i < leases.leases_.size(); ++i) {
-    const TensorUse& u = leases.uses_[i];
-    if (traced && options_.discard_dead && dead_after(u.tensor, leases.step_)) {
+    dead[i] = traced && options_.discard_dead && dead_after(leases.uses_[i].tensor, leases.step_);
+    if (dead[i]) {
       if (leases.leases_[i].discard()) ++discarded;
     } else {
       leases.leases_[i].release();
@@ -213,7 +214,7 @@ void PrefetchPipeline::end_step(StepLeases leases) {
     stats_.needed_lookahead_steps =
         static_cast<std::size_t>(std::ceil(transfer / stats_.compute_s_per_step));
   }
-  if (leases.traced_ && !schedule_.empty()) {
+  if (traced) {
     const std::size_t n = schedule_.size();
     const std::size_t local = leases.step_ % n;
     completed_ = std::max(completed_, leases.step_ + 1);
@@ -224,9 +225,9 @@ void PrefetchPipeline::end_step(StepLeases leases) {
           if (u.tensor == tensor && u.tier == tier) return true;
       return false;
     };
-    for (const TensorUse& u : leases.uses_) {
-      if (!options_.write_back || u.use == Use::Read) continue;
-      if (options_.discard_dead && dead_after(u.tensor, leases.step_)) continue;
+    for (std::size_t i = 0; i < leases.uses_.size(); ++i) {
+      const TensorUse& u = leases.uses_[i];
+      if (!options_.write_back || u.use == Use::Read || dead[i]) continue;
       if (u.tier == Tier::Device && !used_later_on(u.tensor, Tier::Device))
         write_back_queue_.push_back({u.tensor, Tier::Device});
       else if (u.tier == Tier::Host && host_pressure_ && !used_later_on(u.tensor, Tier::Host))
