@@ -15,6 +15,7 @@
 #include <memory>
 #include <sstream>
 
+#include "example_util.h"
 #include "strata/io/crc32c.h"
 #include "strata/io/error.h"
 #include "strata/io/pages.h"
@@ -27,28 +28,8 @@
 namespace strata::examples {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 // Rows of W converted to fp32 at a time: the scratch the device needs beside the layer.
 constexpr int kBlockRows = 256;
-
-inline float bf16(std::uint16_t v) {
-  const std::uint32_t bits = static_cast<std::uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
 
 // `count` elements of `dtype` at `src` as fp32 into dst.
 void to_f32(DType dtype, const void* src, std::size_t count, float* dst) {
@@ -57,7 +38,7 @@ void to_f32(DType dtype, const void* src, std::size_t count, float* dst) {
   } else if (dtype == DType::BF16) {
     const auto* s = static_cast<const std::uint16_t*>(src);
     for (std::size_t i = 0; i < count; ++i)
-      dst[i] = bf16(s[i]);
+      dst[i] = optim::bf16_to_float(s[i]);
   } else {
     const auto* s = static_cast<const std::uint16_t*>(src);
     for (std::size_t i = 0; i < count; ++i)
@@ -115,39 +96,6 @@ Scratch scratch_at(float* base, const ModelSpec& m) {
     max_out = std::max(max_out, l.out);
   return {base, base + (scratch_floats(m) - static_cast<std::size_t>(max_out))};
 }
-
-std::uint64_t splitmix(std::uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
-float uniform(std::uint64_t seed, std::uint64_t stream, std::uint64_t i) {
-  const std::uint64_t r = splitmix(splitmix(seed ^ splitmix(stream)) + i);
-  return static_cast<float>(r >> 40) * (2.0f / 16777216.0f) - 1.0f;
-}
-
-// A temporary directory for the runtime's own swap files (the model is never copied there).
-class OwnedDir {
- public:
-  OwnedDir() {
-    char tmpl[] = "/var/tmp/strata-infer-XXXXXX";
-    STRATA_EXPECTS(::mkdtemp(tmpl) != nullptr,
-                   "cannot make a temporary directory under /var/tmp: ", std::strerror(errno));
-    path_ = tmpl;
-  }
-  ~OwnedDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  OwnedDir(const OwnedDir&) = delete;
-  OwnedDir& operator=(const OwnedDir&) = delete;
-  [[nodiscard]] const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
 
 void check_input(const ModelSpec& m, const std::vector<float>& input, int batch) {
   STRATA_EXPECTS(batch >= 1, "--batch: must be at least 1");
@@ -351,7 +299,8 @@ InferenceResult run_streamed(const InferenceConfig& c) {
                  format_bytes(r.host_budget), " is smaller than the staging area (",
                  format_bytes(staging_chunk * staging_chunks), ") plus one I/O block (1 MiB)");
 
-  OwnedDir swap_dir;  // the runtime's own swap files: the model is never copied there
+  OwnedDir swap_dir(
+      "strata-infer");  // the runtime's own swap files: the model is never copied there
   RuntimeOptions o;
   o.backend.kind = parse_backend_kind(c.backend, "--backend");
   o.backend.device_budget_bytes = r.device_budget;

@@ -15,6 +15,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "example_util.h"
 #include "strata/io/error.h"
 #include "strata/io/pages.h"
 #include "strata/io/units.h"
@@ -25,33 +26,7 @@
 namespace strata::examples {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-// ---- deterministic data: a counter-based generator, the same in every run ----
-
-std::uint64_t splitmix(std::uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
-// Element `i` of random stream `stream`, uniform in [-1, 1).
-float uniform(std::uint64_t seed, std::uint64_t stream, std::uint64_t i) {
-  const std::uint64_t r = splitmix(splitmix(seed ^ splitmix(stream)) + i);
-  return static_cast<float>(r >> 40) * (2.0f / 16777216.0f) - 1.0f;
-}
+// ---- deterministic data: random streams (example_util.h), the same in every run ----
 
 constexpr std::uint64_t kInitStream = 1 << 20;     // + layer
 constexpr std::uint64_t kTeacherStream = 2 << 20;  // + 0, 1
@@ -262,29 +237,6 @@ class DeviceBuffers {
   std::vector<float*> ptrs_;
 };
 
-// A temporary NVMe directory, removed with everything in it.
-class OwnedDir {
- public:
-  OwnedDir() {
-    char tmpl[] = "/var/tmp/strata-train-XXXXXX";
-    STRATA_EXPECTS(::mkdtemp(tmpl) != nullptr,
-                   "--nvme-dir: cannot make a temporary directory "
-                   "under /var/tmp: ",
-                   std::strerror(errno));
-    path_ = tmpl;
-  }
-  ~OwnedDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  OwnedDir(const OwnedDir&) = delete;
-  OwnedDir& operator=(const OwnedDir&) = delete;
-  [[nodiscard]] const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
-
 void check_nvme_dir(const std::string& dir) {
   std::error_code ec;
   const auto status = std::filesystem::status(dir, ec);
@@ -352,7 +304,7 @@ TrainResult train_offloaded(const TrainConfig& c, const Shape& s) {
   std::string dir = c.nvme_dir;
   if (c.offload == Offload::Nvme) {
     if (dir.empty()) {
-      owned = std::make_unique<OwnedDir>();
+      owned = std::make_unique<OwnedDir>("strata-train");
       dir = owned->path();
     }
     check_nvme_dir(dir);

@@ -22,10 +22,8 @@
 namespace strata::optim {
 
 namespace {
-// Branch-free and inline, so the kernel's loop vectorises through them.
-inline float widen_bf16(std::uint16_t v) {
-  return std::bit_cast<float>(static_cast<std::uint32_t>(v) << 16);
-}
+// Branch-free and inline, so the kernel's loop vectorises through it (bf16_to_float, its
+// inverse, is inline in the header).
 inline std::uint16_t narrow_bf16(float f) {
   const std::uint32_t bits = std::bit_cast<std::uint32_t>(f);
   const std::uint32_t rounded = bits + 0x7FFFu + ((bits >> 16) & 1u);
@@ -34,9 +32,6 @@ inline std::uint16_t narrow_bf16(float f) {
 }
 }  // namespace
 
-float bf16_to_float(std::uint16_t v) noexcept {
-  return widen_bf16(v);
-}
 std::uint16_t float_to_bf16(float f) noexcept {
   return narrow_bf16(f);
 }
@@ -147,7 +142,7 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void kernel(
   auto bf16 = [copy](std::size_t i, float x) { copy[i] = narrow_bf16(x); };
   auto f16 = [copy](std::size_t i, float x) { copy[i] = float_to_f16(x); };
   auto g32 = [gf](std::size_t i) { return gf[i]; };
-  auto gb = [gh](std::size_t i) { return widen_bf16(gh[i]); };
+  auto gb = [gh](std::size_t i) { return bf16_to_float(gh[i]); };
   auto gh16 = [gh](std::size_t i) { return f16_to_float(gh[i]); };
   auto with_grads = [&](auto load) {
     if (copy_kind == 1)

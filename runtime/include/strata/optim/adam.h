@@ -3,6 +3,7 @@
 // chunks with oneTBB.
 #pragma once
 
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <string_view>
@@ -46,7 +47,10 @@ void adam_step_reference(const AdamConfig& config, const AdamArgs& args);
 std::string_view adam_isa() noexcept;
 
 /// Conversions used for gradients and param copies (round to nearest even).
-float bf16_to_float(std::uint16_t v) noexcept;
+/// Inline: it is a shift, and loops that call it vectorise.
+inline float bf16_to_float(std::uint16_t v) noexcept {
+  return std::bit_cast<float>(static_cast<std::uint32_t>(v) << 16);
+}
 std::uint16_t float_to_bf16(float f) noexcept;
 float f16_to_float(std::uint16_t v) noexcept;
 std::uint16_t float_to_f16(float f) noexcept;
