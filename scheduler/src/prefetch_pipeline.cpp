@@ -374,10 +374,12 @@ void PrefetchPipeline::write_back_loop() {
       // Device: d2h stream, then NVMe through the io engine when the host is full; host: NVMe.
       // False when the copy was clean already (an eviction for room wrote it back first).
       done = rt_.evict(job.tensor, job.tier);
-    } catch (const Error&) {
-      // Leased again already, or the write-back failed: the copy stays where it was, dirty,
-      // and an eviction for room (in the thread that needs it) retries and reports.
-      if (!last_write_back_error_) last_write_back_error_ = std::current_exception();
+    } catch (const Error& e) {
+      // A failed write-back (I/O error, no room below) leaves the copy dirty where it was and
+      // is reported by end_iteration(). A copy leased again meanwhile (invalid_argument) is not
+      // a failure: it goes down later, with an eviction for room.
+      if (e.code() != Errc::invalid_argument && !last_write_back_error_)
+        last_write_back_error_ = std::current_exception();
     }
     lock.lock();
     --write_backs_in_flight_;
