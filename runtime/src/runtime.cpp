@@ -17,6 +17,7 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <unordered_map>
 
 #include <nlohmann/json.hpp>
@@ -112,6 +113,7 @@ struct Runtime::Impl {
   std::uint64_t clock = 0;
   int moves_in_flight = 0;
   std::array<TierStats, kTiers> stats{};
+  std::array<std::array<std::uint64_t, kTiers>, kTiers> path_bytes{};  // [from][to]
   std::shared_ptr<EvictionPolicy> policy = std::make_shared<LruPolicy>();
   std::atomic<std::uint64_t> h2d_last_ns{0}, d2h_last_ns{0};
 
@@ -437,8 +439,9 @@ struct Runtime::Impl {
   }
 
   // Completion of a move into `dst` (any thread).
+  // `via`: the tier the bytes passed through on the way (a kept host copy), if any.
   void finish_move(TensorState& t, Tier dst, Tier src, std::exception_ptr error,
-                   std::uint64_t version) {
+                   std::uint64_t version, std::optional<Tier> via = std::nullopt) {
     std::lock_guard lock(mutex);
     Copy& c = t.copies[idx(dst)];
     --t.copies[idx(src)].pins;
@@ -458,6 +461,12 @@ struct Runtime::Impl {
       c.ready = true;
       ++stats[idx(dst)].moves;
       stats[idx(dst)].bytes_in += t.desc.bytes;
+      if (via) {
+        path_bytes[idx(src)][idx(*via)] += t.desc.bytes;
+        path_bytes[idx(*via)][idx(dst)] += t.desc.bytes;
+      } else {
+        path_bytes[idx(src)][idx(dst)] += t.desc.bytes;
+      }
     }
     --t.moves;
     --moves_in_flight;
@@ -732,7 +741,8 @@ struct Runtime::Impl {
     run_after_unlock(lock);
     if (finished) {
       lock.unlock();
-      finish_move(*p->t, p->dst, p->src, p->error, p->version);
+      finish_move(*p->t, p->dst, p->src, p->error, p->version,
+                  p->host != nullptr ? std::optional<Tier>(Tier::Host) : std::nullopt);
     }
   }
 
@@ -1311,6 +1321,19 @@ TierStats Runtime::tier_stats(Tier tier) const {
   return s;
 }
 
+TransferStats Runtime::transfer_stats() const {
+  std::lock_guard lock(impl_->mutex);
+  const auto& b = impl_->path_bytes;
+  TransferStats s;
+  s.bytes_host_to_device = b[idx(Tier::Host)][idx(Tier::Device)];
+  s.bytes_device_to_host = b[idx(Tier::Device)][idx(Tier::Host)];
+  s.bytes_nvme_to_host = b[idx(Tier::Nvme)][idx(Tier::Host)];
+  s.bytes_host_to_nvme = b[idx(Tier::Host)][idx(Tier::Nvme)];
+  s.bytes_nvme_to_device = b[idx(Tier::Nvme)][idx(Tier::Device)];
+  s.bytes_device_to_nvme = b[idx(Tier::Device)][idx(Tier::Nvme)];
+  return s;
+}
+
 std::string Runtime::stats_json() const {
   using nlohmann::json;
   json tiers = json::object();
@@ -1334,6 +1357,16 @@ std::string Runtime::stats_json() const {
            {"device", impl_->backend->info().name},
            {"tensors", tensors().size()},
            {"tiers", tiers},
+           {"transfers",
+            [&] {
+              const TransferStats x = transfer_stats();
+              return json{{"bytes_host_to_device", x.bytes_host_to_device},
+                          {"bytes_device_to_host", x.bytes_device_to_host},
+                          {"bytes_nvme_to_host", x.bytes_nvme_to_host},
+                          {"bytes_host_to_nvme", x.bytes_host_to_nvme},
+                          {"bytes_nvme_to_device", x.bytes_nvme_to_device},
+                          {"bytes_device_to_nvme", x.bytes_device_to_nvme}};
+            }()},
            {"trace_events_dropped", impl_->telemetry.dropped()}};
   if (impl_->io) {
     const IoStats io = impl_->io->stats();

@@ -43,6 +43,45 @@ TEST_F(RuntimeTest, MovesATensorFromNvmeToDeviceAndBack) {
   EXPECT_EQ(contents(*rt, t), data);
 }
 
+TEST_F(RuntimeTest, ByteCountsAreNamedAfterThePathTheBytesTook) {
+  auto rt = make();
+  const std::uint64_t bytes = 200 * KiB;
+  const auto data = pattern(bytes, 3);
+  // The host has room: the chunks land in a kept host copy, then go up to the device.
+  const TensorId a = rt->create_tensor(desc("a", bytes), Tier::Nvme, data.data());
+  rt->acquire(a, Tier::Device, Access::Read).get().wait();
+  TransferStats s = rt->transfer_stats();
+  EXPECT_EQ(s.bytes_nvme_to_host, bytes);
+  EXPECT_EQ(s.bytes_host_to_device, bytes);
+  EXPECT_EQ(s.bytes_nvme_to_device, 0u);
+  // No room on the host (its copy of `b` leased there fills it): NVMe straight to the device.
+  const auto filler = pattern(700 * KiB, 4);
+  const TensorId f = rt->create_tensor(desc("filler", filler.size()), Tier::Host, filler.data());
+  rt->evict(a, Tier::Host);
+  Lease hold = rt->acquire(f, Tier::Host, Access::Read).get();
+  const TensorId b = rt->create_tensor(desc("b", bytes), Tier::Nvme, data.data());
+  Lease lb = rt->acquire(b, Tier::Device, Access::Read).get();
+  lb.wait();
+  EXPECT_EQ(leased_bytes(lb), data);
+  EXPECT_FALSE(rt->resident(b, Tier::Host));
+  s = rt->transfer_stats();
+  EXPECT_EQ(s.bytes_nvme_to_device, bytes);
+  EXPECT_EQ(s.bytes_nvme_to_host, bytes);  // unchanged
+  EXPECT_EQ(s.bytes_host_to_device, bytes);
+  lb.release();
+  hold.release();
+  // Written on the device and evicted: device to host.
+  {
+    Lease w = rt->acquire(a, Tier::Device, Access::ReadWrite).get();
+    w.wait();
+  }
+  EXPECT_TRUE(rt->evict(a, Tier::Device));
+  EXPECT_EQ(rt->transfer_stats().bytes_device_to_host, bytes);
+  const auto j = nlohmann::json::parse(rt->stats_json());
+  EXPECT_EQ(j["transfers"]["bytes_nvme_to_device"], bytes);
+  EXPECT_EQ(j["transfers"]["bytes_device_to_host"], bytes);
+}
+
 TEST_F(RuntimeTest, ZeroedTensorsOnEveryTier) {
   auto rt = make();
   for (Tier home : {Tier::Device, Tier::Host, Tier::Nvme}) {

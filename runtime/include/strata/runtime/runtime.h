@@ -183,6 +183,8 @@ class Runtime {
   [[nodiscard]] bool resident(TensorId tensor, Tier tier) const;
   [[nodiscard]] std::vector<TensorId> tensors() const;
   [[nodiscard]] TierStats tier_stats(Tier tier) const;
+  /// Bytes moved so far, per path (which tier to which).
+  [[nodiscard]] TransferStats transfer_stats() const;
   [[nodiscard]] std::string stats_json() const;
   void set_eviction_policy(std::shared_ptr<EvictionPolicy> policy);
 

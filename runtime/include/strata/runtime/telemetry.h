@@ -49,6 +49,18 @@ struct TierStats {
   std::uint64_t compactions = 0;  ///< copies slid to close holes
 };
 
+/// Bytes moved, named after the path they took: NVMe chunks landing in a kept host copy count as
+/// nvme_to_host and then host_to_device; chunks through staging slots or landing in the device
+/// copy directly (Note [Direct NVMe to device]) count as nvme_to_device.
+struct TransferStats {
+  std::uint64_t bytes_host_to_device = 0;
+  std::uint64_t bytes_device_to_host = 0;
+  std::uint64_t bytes_nvme_to_host = 0;
+  std::uint64_t bytes_host_to_nvme = 0;
+  std::uint64_t bytes_nvme_to_device = 0;
+  std::uint64_t bytes_device_to_nvme = 0;
+};
+
 /// Thread-safe. record() takes a short lock (one per copy or I/O, never per byte); when the ring
 /// is full the oldest events are overwritten and counted as dropped.
 class Telemetry {
