@@ -18,8 +18,8 @@
 #include "strata/io/pages.h"
 #include "strata/io/units.h"
 #include "strata/runtime/runtime.h"
-#include "strata/scheduler/prefetch_pipeline.h"
 #include "strata/runtime/svg_timeline.h"
+#include "strata/scheduler/prefetch_pipeline.h"
 
 namespace strata::bench {
 namespace {
@@ -35,7 +35,8 @@ struct Args {
   double link_gbps = 0;
   std::string prefetch = "auto";
   int passes = 5;
-  double compute_ms = -1;  // default: the measured transfer time of one layer
+  double compute_ms = -1;  // default: compute_ratio x the measured transfer time of one layer
+  double compute_ratio = 1.0;
   bool json = false;
   std::string trace;
   std::string svg;
@@ -77,6 +78,9 @@ void arithmetic(std::uint64_t iterations) {
   }
   g_sink = x + y;
 }
+
+// The design's tolerance for timing noise: a roofline above this is a measurement error.
+constexpr double kMaxRoofline = 1.02;
 
 struct Compute {
   std::uint64_t iterations = 0;
@@ -154,8 +158,14 @@ void run(Args args) {
   for (std::size_t l = 0; l < args.layers; ++l)
     order.append({"layer" + std::to_string(l), {{layers[l], Use::Read, Tier::Device}}});
 
-  // transfer_s starts cold: nothing of the model on the device (nor on the host when it is
-  // homed on NVMe).
+  // Note [Overlap measurement]: transfer_s, compute_s and step_s come from the same rounds, and
+  // every streamed pass starts in the same tier state: cold (nothing of the model on the device,
+  // nor on the host when it is homed on NVMe) and drained (no move in flight, no prefetch of a
+  // next pass: the pipelines run with across_iterations off). A round is a transfer pass
+  // (prefetch auto, no compute), a compute pass (each layer's compute timed with its layer
+  // already on the device) and a step pass (prefetch as asked, with compute); each figure is the
+  // median over the rounds. A roofline above 1.02 then means the figures were not measured as
+  // they claim, and the bench refuses it.
   auto cool = [&] {
     rt.synchronize();
     for (TensorId t : layers) {
@@ -180,10 +190,40 @@ void run(Args args) {
     arithmetic(compute.iterations);
   };
 
-  // A pass through the pipeline; returns its wall time.
-  auto pass = [&](PrefetchPipeline& pipeline, bool with_compute) {
-    pipeline.begin_iteration();
+  PipelineOptions step_options;
+  std::string prefetch_label = args.prefetch;
+  if (args.prefetch == "none") {
+    step_options.prefetch = PrefetchMode::None;
+  } else if (args.prefetch == "auto") {
+    step_options.prefetch = PrefetchMode::Auto;
+  } else {
+    step_options.prefetch = PrefetchMode::Fixed;
+    try {
+      step_options.fixed_lookahead = std::stoul(args.prefetch);
+    } catch (...) {
+      STRATA_FAIL(Errc::invalid_argument, "--prefetch: \"", args.prefetch,
+                  "\" is not none, auto or a number of steps");
+    }
+  }
+  step_options.across_iterations = false;
+  PipelineOptions transfer_options;
+  transfer_options.across_iterations = false;
+
+  struct PassResult {
+    double seconds = 0;
+    std::uint64_t nvme_read = 0;
+    TransferStats moved;
+    PipelineStats pipeline;
+  };
+  // One streamed pass from cold, through a pipeline of its own; ends drained.
+  auto pass = [&](const PipelineOptions& po, bool with_compute) {
+    cool();
+    PrefetchPipeline pipeline(rt, po);
+    pipeline.set_schedule(order);
+    const std::uint64_t read0 = rt.io() ? rt.io()->stats().bytes_read : 0;
+    const TransferStats m0 = rt.transfer_stats();
     const auto start = Clock::now();
+    pipeline.begin_iteration();
     for (std::size_t l = 0; l < args.layers; ++l) {
       StepLeases in =
           pipeline.begin_step("layer" + std::to_string(l), {{layers[l], Use::Read, Tier::Device}});
@@ -198,31 +238,38 @@ void run(Args args) {
       pipeline.end_step(std::move(in));
     }
     pipeline.end_iteration();
-    return seconds_since(start);
+    PassResult r;
+    r.seconds = seconds_since(start);
+    pipeline.drain();
+    rt.synchronize();
+    r.nvme_read = (rt.io() ? rt.io()->stats().bytes_read : 0) - read0;
+    const TransferStats m1 = rt.transfer_stats();
+    r.moved.bytes_nvme_to_device = m1.bytes_nvme_to_device - m0.bytes_nvme_to_device;
+    r.moved.bytes_nvme_to_host = m1.bytes_nvme_to_host - m0.bytes_nvme_to_host;
+    r.moved.bytes_host_to_device = m1.bytes_host_to_device - m0.bytes_host_to_device;
+    r.pipeline = pipeline.stats();
+    return r;
+  };
+  // compute_s: every step's compute with its layer already on the device (brought in first,
+  // not timed).
+  auto compute_pass = [&] {
+    double seconds = 0;
+    for (std::size_t l = 0; l < args.layers; ++l) {
+      Lease lease = rt.acquire(layers[l], Tier::Device, Access::Read).get();
+      lease.wait();
+      const auto start = Clock::now();
+      compute_step(lease, l);
+      seconds += seconds_since(start);
+    }
+    return seconds;
   };
 
-  // transfer_s: the whole model through the pipeline (prefetch on), no compute, from cold.
-  double transfer_s = 0;
-  std::uint64_t nvme_read_in_transfer = 0;
-  {
-    PipelineOptions po;
-    PrefetchPipeline pipeline(rt, po);
-    pipeline.set_schedule(order);
-    // The median of three cold passes: the disk is noisy.
-    std::vector<std::pair<double, std::uint64_t>> runs;
-    for (int i = 0; i < 3; ++i) {
-      cool();
-      const std::uint64_t read0 = rt.io() ? rt.io()->stats().bytes_read : 0;
-      const double seconds = pass(pipeline, false);
-      runs.emplace_back(seconds, (rt.io() ? rt.io()->stats().bytes_read : 0) - read0);
-    }
-    std::sort(runs.begin(), runs.end());
-    transfer_s = runs[1].first;
-    nvme_read_in_transfer = runs[1].second;
-  }
-  // Calibrate the arithmetic so a step takes compute_ms with its data resident.
-  const double compute_ms =
-      args.compute_ms >= 0 ? args.compute_ms : transfer_s * 1e3 / static_cast<double>(args.layers);
+  // Calibrate the arithmetic so a step takes compute_ms with its data resident: by default one
+  // layer's transfer time (from a first cold transfer pass, not counted) times --compute-ratio.
+  const double calibration_s = pass(transfer_options, false).seconds;
+  const double compute_ms = args.compute_ms >= 0 ? args.compute_ms
+                                                 : args.compute_ratio * calibration_s * 1e3 /
+                                                       static_cast<double>(args.layers);
   {
     PageBuffer probe(layer_bytes);
     fill_layer(probe.data(), layer_bytes, 0);
@@ -236,59 +283,38 @@ void run(Args args) {
     const double rest = compute_ms / 1e3 - checksum_s;
     compute.iterations = rest > 0 ? static_cast<std::uint64_t>(rest / per_iteration) : 0;
   }
-  // compute_s: every step's compute with its layer already resident.
-  double compute_s = 0;
-  for (std::size_t l = 0; l < args.layers; ++l) {
-    Lease lease = rt.acquire(layers[l], Tier::Device, Access::Read).get();
-    lease.wait();
-    const auto start = Clock::now();
-    compute_step(lease, l);
-    compute_s += seconds_since(start);
-  }
 
-  // The real passes: the first one records the schedule (unless prefetch is none), the rest
-  // replay it; step_s is the median of the passes after that warm-up.
-  PipelineOptions po;
-  std::string prefetch_label = args.prefetch;
-  if (args.prefetch == "none") {
-    po.prefetch = PrefetchMode::None;
-  } else if (args.prefetch == "auto") {
-    po.prefetch = PrefetchMode::Auto;
-  } else {
-    po.prefetch = PrefetchMode::Fixed;
-    try {
-      po.fixed_lookahead = std::stoul(args.prefetch);
-    } catch (...) {
-      STRATA_FAIL(Errc::invalid_argument, "--prefetch: \"", args.prefetch,
-                  "\" is not none, auto or a number of steps");
-    }
-  }
-  PrefetchPipeline pipeline(rt, po);
-  std::vector<double> times;
-  const TierStats d0 = rt.tier_stats(Tier::Device);
-  const std::uint64_t nvme0 = rt.io() ? rt.io()->stats().bytes_read : 0;
-  cool();
-  for (int p = 0; p <= args.passes; ++p) {
-    // Steady state, as in a training or inference loop: the end of one pass already prefetches
-    // the next one's first layers.
-    if (p == args.passes) rt.telemetry().clear();  // the trace shows the last pass
-    const double s = pass(pipeline, true);
-    if (p > 0) times.push_back(s);
+  std::vector<double> transfers, computes, steps;
+  std::vector<PassResult> step_results, transfer_results;
+  for (int round = 0; round < args.passes; ++round) {
+    transfer_results.push_back(pass(transfer_options, false));
+    transfers.push_back(transfer_results.back().seconds);
+    computes.push_back(compute_pass());
+    if (round + 1 == args.passes) rt.telemetry().clear();  // the trace shows the last step pass
+    step_results.push_back(pass(step_options, true));
+    steps.push_back(step_results.back().seconds);
     if (progress)
-      std::fprintf(stderr, "\r  pass %d/%d: %.3f s%s   ", p, args.passes, s,
-                   p == 0 ? " (warm-up, records the schedule)" : "");
+      std::fprintf(stderr, "\r  round %d/%d: transfer %.3f s, compute %.3f s, step %.3f s   ",
+                   round + 1, args.passes, transfers.back(), computes.back(), steps.back());
   }
   if (progress) std::fprintf(stderr, "\n");
-  std::sort(times.begin(), times.end());
-  const double step_s = times[times.size() / 2];
+  const auto median_index = [](const std::vector<double>& v) {
+    std::vector<std::size_t> order(v.size());
+    for (std::size_t i = 0; i < v.size(); ++i)
+      order[i] = i;
+    std::sort(order.begin(), order.end(), [&](auto a, auto b) { return v[a] < v[b]; });
+    return order[order.size() / 2];
+  };
+  const std::size_t ti = median_index(transfers), si = median_index(steps);
+  const double transfer_s = transfers[ti];
+  const double compute_s = computes[median_index(computes)];
+  const double step_s = steps[si];
+  const PassResult& sr = step_results[si];
+  const PassResult& tr = transfer_results[ti];
   const TierStats d1 = rt.tier_stats(Tier::Device);
-  const std::uint64_t passes_run = static_cast<std::uint64_t>(args.passes) + 1;
-  const std::uint64_t bytes_h2d = (d1.bytes_in - d0.bytes_in) / passes_run;
-  const std::uint64_t bytes_nvme =
-      ((rt.io() ? rt.io()->stats().bytes_read : 0) - nvme0) / passes_run;
   const double roofline = std::max(compute_s, transfer_s) / step_s;
   const double overlap = (compute_s + transfer_s - step_s) / std::min(compute_s, transfer_s);
-  const PipelineStats ps = pipeline.stats();
+  const PipelineStats& ps = sr.pipeline;
 
   if (!args.trace.empty()) rt.telemetry().write_chrome_trace(args.trace);
   if (!args.svg.empty()) {
@@ -316,10 +342,17 @@ void run(Args args) {
       {"step_s", step_s},
       {"roofline", roofline},
       {"overlap_efficiency", overlap},
-      {"bytes_h2d", bytes_h2d},
-      {"bytes_nvme_read", bytes_nvme},
-      {"gbps_h2d", static_cast<double>(model) / transfer_s / 1e9},
-      {"gbps_nvme_read", static_cast<double>(nvme_read_in_transfer) / transfer_s / 1e9},
+      {"tier_state", "cold"},
+      {"passes", args.passes},
+      {"transfer_s_passes", transfers},
+      {"compute_s_passes", computes},
+      {"step_s_passes", steps},
+      {"bytes_nvme_read", sr.nvme_read},
+      {"bytes_nvme_to_device", sr.moved.bytes_nvme_to_device},
+      {"bytes_nvme_to_host", sr.moved.bytes_nvme_to_host},
+      {"bytes_host_to_device", sr.moved.bytes_host_to_device},
+      {"gbps_to_device", static_cast<double>(model) / transfer_s / 1e9},
+      {"gbps_nvme_read", static_cast<double>(tr.nvme_read) / transfer_s / 1e9},
       {"peak_device_bytes", d1.peak_bytes},
       {"max_lookahead_steps", ps.max_lookahead_steps},
       {"ready_at_step_begin", ps.inputs ? static_cast<double>(ps.ready_at_begin) / ps.inputs : 0},
@@ -329,11 +362,12 @@ void run(Args args) {
   } else {
     std::printf("\n  %-22s %10s\n", "metric", "value");
     std::printf("  %-22s %10.3f\n  %-22s %10.3f\n  %-22s %10.3f\n", "compute_s", compute_s,
-                "transfer_s", transfer_s, "step_s (median)", step_s);
+                "transfer_s", transfer_s, "step_s", step_s);
     std::printf("  %-22s %10.3f\n  %-22s %10.3f\n", "roofline", roofline, "overlap_efficiency",
                 overlap);
-    std::printf("  %-22s %10.2f\n  %-22s %10.2f\n", "gbps_h2d", out["gbps_h2d"].get<double>(),
-                "gbps_nvme_read", out["gbps_nvme_read"].get<double>());
+    std::printf("  %-22s %10.2f\n  %-22s %10.2f\n", "gbps_to_device",
+                out["gbps_to_device"].get<double>(), "gbps_nvme_read",
+                out["gbps_nvme_read"].get<double>());
     std::printf("  %-22s %10s\n  %-22s %10zu\n  %-22s %10s\n", "peak_device_bytes",
                 format_bytes(d1.peak_bytes).c_str(), "max lookahead (steps)",
                 ps.max_lookahead_steps, "verified", verified ? "yes" : "NO");
@@ -342,6 +376,15 @@ void run(Args args) {
   }
   if (own_dir) std::filesystem::remove_all(dir);
   if (!verified) throw Error(Errc::corrupt_data, "overlap: a layer's checksum did not match");
+  if (roofline > kMaxRoofline) {
+    char why[512];
+    std::snprintf(why, sizeof why,
+                  "overlap: roofline %.3f is above %.2f: max(compute_s %.4f, transfer_s %.4f) / "
+                  "step_s %.4f. The step cannot be faster than its own bound, so these figures "
+                  "were not measured under the same conditions: a measurement error, not a result",
+                  roofline, kMaxRoofline, compute_s, transfer_s, step_s);
+    throw Error(Errc::internal, why);
+  }
 }
 
 }  // namespace
@@ -360,10 +403,15 @@ void register_overlap(CLI::App& app) {
   cmd->add_option("--link-gbps", args->link_gbps, "host backend: pace copies to this link")
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--prefetch", args->prefetch, "none | auto | K (fixed lookahead)");
-  cmd->add_option("--passes", args->passes, "measured passes after the warm-up")
+  cmd->add_option("--passes", args->passes,
+                  "measured rounds (each: a transfer, a compute and a step pass, all from cold)")
       ->check(CLI::Range(1, 1000));
   cmd->add_option("--compute-ms", args->compute_ms,
-                  "compute per step with data resident (default: one layer's transfer time)");
+                  "compute per step with data resident (default: --compute-ratio x one layer's "
+                  "transfer time)");
+  cmd->add_option("--compute-ratio", args->compute_ratio,
+                  "compute per step as a multiple of one layer's measured transfer time")
+      ->check(CLI::PositiveNumber);
   cmd->add_flag("--json", args->json, "print one JSON object");
   cmd->add_option("--trace", args->trace, "write the last pass as a Chrome trace");
   cmd->add_option("--svg", args->svg, "write the last pass as an SVG timeline");

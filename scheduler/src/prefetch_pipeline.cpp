@@ -266,6 +266,11 @@ void PrefetchPipeline::end_iteration() {
   wake_.notify_all();
 }
 
+bool PrefetchPipeline::planner_has_work() const {
+  return plan_requested_ && !schedule_.empty() && options_.prefetch != PrefetchMode::None &&
+         !prefetch_log_.empty();
+}
+
 void PrefetchPipeline::plan() {
   const double budget =
       static_cast<double>(rt_.backend().info().budget_bytes) * options_.budget_fraction;
@@ -273,12 +278,10 @@ void PrefetchPipeline::plan() {
       static_cast<double>(rt_.tier_stats(Tier::Host).capacity_bytes) * options_.budget_fraction;
   std::unique_lock lock(mutex_);
   for (;;) {
-    wake_.wait(lock, [&] {
-      return stopping_ || (plan_requested_ && !schedule_.empty() &&
-                           options_.prefetch != PrefetchMode::None && !prefetch_log_.empty());
-    });
+    wake_.wait(lock, [&] { return stopping_ || planner_has_work(); });
     if (stopping_) return;
     plan_requested_ = false;
+    drained_.notify_all();  // drain() sees the request taken (the lock is held until issuing_)
     const std::size_t n = schedule_.size();
     const std::size_t current = cursor_.load();
     // The window: steps from the current one on whose distinct tensors fit the budget.
@@ -299,7 +302,8 @@ void PrefetchPipeline::plan() {
       return Schedule::kNever;
     };
     std::size_t last = current;
-    for (std::size_t j = current; j < current + n; ++j) {
+    const std::size_t window_end = options_.across_iterations ? current + n : (current / n + 1) * n;
+    for (std::size_t j = current; j < window_end; ++j) {
       if (options_.prefetch == PrefetchMode::Fixed && j > current + options_.fixed_lookahead) break;
       std::vector<TensorId> fresh, fresh_host;
       std::uint64_t fresh_bytes = 0, fresh_host_bytes = 0;
@@ -340,6 +344,7 @@ void PrefetchPipeline::plan() {
     stats_.max_lookahead_steps = std::max(stats_.max_lookahead_steps, last - current);
     if (issue.empty()) continue;
     const std::size_t log_index = prefetch_log_.size() - 1;  // the log may grow meanwhile
+    issuing_ = true;
     lock.unlock();
     std::size_t issued = 0;
     for (const auto& [tensor, tier] : issue) {
@@ -351,6 +356,8 @@ void PrefetchPipeline::plan() {
       }
     }
     lock.lock();
+    issuing_ = false;
+    drained_.notify_all();
     for (std::size_t i = 0; i < issued; ++i)
       prefetch_log_[log_index].push_back(issue[i].first);
     stats_.prefetches += issued;
@@ -386,6 +393,14 @@ void PrefetchPipeline::write_back_loop() {
     if (done) ++stats_.write_backs;
     drained_.notify_all();
   }
+}
+
+void PrefetchPipeline::drain() {
+  std::unique_lock lock(mutex_);
+  drained_.wait(lock, [&] {
+    return !issuing_ && !planner_has_work() && write_back_queue_.empty() &&
+           write_backs_in_flight_ == 0;
+  });
 }
 
 PipelineStats PrefetchPipeline::stats() const {

@@ -94,6 +94,36 @@ TEST_F(PrefetchPipelineTest, RecordThenReplayGivesTheSamePrefetchOrder) {
   EXPECT_GT(p.stats().ready_at_begin, 0u);
 }
 
+TEST_F(PrefetchPipelineTest, WithoutLookaheadAcrossIterationsAPassEndsDrainedAndStartsCold) {
+  make(12);
+  PipelineOptions o;
+  o.across_iterations = false;
+  PrefetchPipeline p(*rt_, o);
+  Schedule order;
+  for (std::size_t i = 0; i < layers_.size(); ++i)
+    order.append({"layer" + std::to_string(i), {{layers_[i], Use::Read}}});
+  p.set_schedule(order);
+  for (int r = 0; r < 3; ++r) {
+    pass(p, all());
+    p.drain();
+    rt_->synchronize();
+    for (TensorId t : layers_) {
+      rt_->evict(t, Tier::Device);
+      rt_->evict(t, Tier::Host);
+    }
+    for (TensorId t : layers_)  // nothing is brought back in after the drain
+      ASSERT_FALSE(rt_->resident(t, Tier::Device) || rt_->resident(t, Tier::Host));
+  }
+  // Each iteration prefetched its own layers only, in order: nothing of the next one.
+  const auto log = p.prefetch_log();
+  ASSERT_EQ(log.size(), 3u);
+  for (const auto& l : log) {
+    ASSERT_LE(l.size(), layers_.size());
+    for (std::size_t i = 0; i < l.size(); ++i)
+      EXPECT_EQ(l[i], layers_[layers_.size() - l.size() + i]) << "out of order or wrapped";
+  }
+}
+
 TEST_F(PrefetchPipelineTest, TheLookaheadWindowNeverExceedsTheBudget) {
   make(16);
   PrefetchPipeline p(*rt_);

@@ -42,6 +42,11 @@ struct PipelineOptions {
   bool discard_dead = false;
   /// Use the schedule's farthest-next-use eviction policy for the runtime.
   bool belady = true;
+  /// Near the end of an iteration, prefetch the next one's first steps (the steady state of a
+  /// training or inference loop). False: the window stops at the iteration's last step, so that
+  /// after end_iteration() and drain() nothing more is brought in (a benchmark that starts each
+  /// iteration cold).
+  bool across_iterations = true;
 };
 
 struct PipelineStats {
@@ -115,6 +120,11 @@ class PrefetchPipeline {
   /// first write-back that failed (IoError: EIO, ENOSPC); its tensor stays dirty where it was.
   void end_iteration();
 
+  /// Waits until the planner is not issuing prefetches and no write-back is queued or running.
+  /// With across_iterations off and called after end_iteration(), nothing is issued after it
+  /// returns until the next begin_iteration() (then Runtime::synchronize() waits for the moves).
+  void drain();
+
   [[nodiscard]] PipelineStats stats() const;
   /// Tensors in the order the planner prefetched them, per iteration (tests, tools).
   [[nodiscard]] std::vector<std::vector<TensorId>> prefetch_log() const;
@@ -122,6 +132,7 @@ class PrefetchPipeline {
  private:
   struct Oracle;
   void plan();
+  [[nodiscard]] bool planner_has_work() const;  // mutex_ held
   void write_back_loop();
   void publish_schedule();
   /// After global step `step`, is `tensor`'s next use (cyclic) a pure Write?
@@ -156,6 +167,7 @@ class PrefetchPipeline {
   std::exception_ptr last_write_back_error_;  ///< the first failure since end_iteration
   bool stopping_ = false;
   bool plan_requested_ = false;  // the cursor moved: the planner looks again
+  bool issuing_ = false;         // the planner is calling the runtime, the lock released
   PipelineStats stats_;
   std::vector<std::vector<TensorId>> prefetch_log_;
   std::uint64_t last_step_ns_ = 0;
