@@ -1,8 +1,11 @@
 // strata-bench io: sequential or random reads or writes through strata's I/O engines, measured
-// the way fio measures (same block size, queue depth and size), so the two can be compared.
+// the way fio measures (same block size, queue depth and size, a laid-out file, its page cache
+// dropped first), so the two can be compared.
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <condition_variable>
 #include <cstdio>
 #include <filesystem>
@@ -10,6 +13,7 @@
 #include <numeric>
 #include <random>
 #include <sstream>
+#include <utility>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -84,6 +88,27 @@ class Window {
   std::exception_ptr error_;
 };
 
+// Note [Data files]: the measured pass runs on files that already hold data, as fio's do.
+// A file is laid out (written in full, fsync'd) only when it is missing or of the wrong size,
+// into "<name>.part" renamed when complete, so an interrupted layout never passes for a laid-out
+// file. Reads therefore read written blocks, and writes overwrite written blocks: no run pays
+// ext4's unwritten-extent conversion or block allocation (fio, by default, fallocates a missing
+// file for a write job and writes into it, then overwrites it on later runs; fio --overwrite=1
+// lays it out first as this does). Before the pass, each file's page cache is dropped with
+// posix_fadvise(POSIX_FADV_DONTNEED), which is what fio does by default (invalidate=1).
+
+// Whether `path` holds a laid-out data file of `bytes` bytes (see Note [Data files]).
+bool is_laid_out(const std::string& path, std::uint64_t bytes) {
+  std::error_code ec;
+  const auto size = std::filesystem::file_size(path, ec);
+  return !ec && size == bytes;
+}
+
+void drop_page_cache(const File& file) {
+  const int rc = ::posix_fadvise(file.fd(), 0, 0, POSIX_FADV_DONTNEED);
+  if (rc != 0) throw IoError(Errc::io_error, file.path(), 0, 0, rc, "posix_fadvise");
+}
+
 void run(const Args& args) {
   const bool is_read = args.rw == "read" || args.rw == "randread";
   const bool is_random = args.rw == "randread" || args.rw == "randwrite";
@@ -109,52 +134,34 @@ void run(const Args& args) {
   options.quiet = true;
   auto engine = make_io_engine(options);
 
-  // One file per directory; block i lives in file i % P at offset (i / P) * bs (striping).
-  const std::uint64_t blocks = size / bs;
-  const std::uint64_t per_file = (blocks + dirs.size() - 1) / dirs.size() * bs;
-  std::vector<File> files;
-  std::vector<std::string> names;
-  for (std::size_t i = 0; i < dirs.size(); ++i) {
-    names.push_back(dirs[i] + "/strata-bench-io-" + std::to_string(i) + ".dat");
-    // Like fio, reuse a file left by an earlier run rather than truncating it: overwriting
-    // written blocks avoids ext4's unwritten-extent conversion on every first write.
-    const bool exists = std::filesystem::exists(names.back());
-    files.emplace_back(names.back(), exists ? File::Mode::ReadWrite : File::Mode::Create,
-                       options.direct);
-    files.back().allocate(per_file);
-    engine->register_file(files.back());
-  }
-
   const std::size_t slots = 2 * args.qd;
   PageBuffer slab(slots * bs, /*lock=*/true, "Host (bench buffers)");
   for (std::size_t i = 0; i < slab.size(); i += 4096)
     slab.data()[i] = std::byte(i >> 12);
   engine->register_buffer(slab.data(), slab.size());
 
-  std::vector<std::uint64_t> order(blocks);
-  std::iota(order.begin(), order.end(), 0);
-  if (is_random) std::shuffle(order.begin(), order.end(), std::mt19937_64(1));
-
-  auto pass = [&](IoOp op, const std::vector<std::uint64_t>& blocks_in_order, bool progress) {
+  // Runs `count` requests of `op`, the i-th on target(i) = {file, offset}, `slots` in flight.
+  const bool progress = !args.json && stderr_is_terminal();
+  auto pass = [&](IoOp op, std::uint64_t count, auto&& target) {
     Window window(slots);
     const auto start = Clock::now();
     auto last_report = start;
     std::uint64_t done = 0;
-    for (std::uint64_t block : blocks_in_order) {
+    for (std::uint64_t i = 0; i < count; ++i) {
       const std::size_t slot = window.acquire();
       if (window.failed()) {
         window.release(slot, nullptr);
         break;
       }
-      const IoRequest r{op, &files[block % files.size()], block / files.size() * bs, bs,
-                        slab.data() + slot * bs};
+      const auto [file, offset] = target(i);
+      const IoRequest r{op, file, offset, bs, slab.data() + slot * bs};
       engine->submit(r, [&window, slot](std::exception_ptr e) { window.release(slot, e); });
       done += bs;
       if (progress && Clock::now() - last_report > std::chrono::milliseconds(500)) {
         last_report = Clock::now();
         const double s = seconds_since(start);
         std::fprintf(stderr, "\r  %s / %s  %.0f MB/s   ", format_bytes(done).c_str(),
-                     format_bytes(blocks * bs).c_str(), static_cast<double>(done) / s / 1e6);
+                     format_bytes(count * bs).c_str(), static_cast<double>(done) / s / 1e6);
       }
     }
     window.drain(slots);
@@ -162,14 +169,51 @@ void run(const Args& args) {
     return seconds_since(start);
   };
 
-  const bool progress = !args.json && stderr_is_terminal();
-  if (is_read) {  // lay the data out first, as fio does
-    std::vector<std::uint64_t> seq(blocks);
-    std::iota(seq.begin(), seq.end(), 0);
-    if (progress) std::fprintf(stderr, "  preparing %s...\n", format_bytes(blocks * bs).c_str());
-    pass(IoOp::Write, seq, progress);
+  // One file per directory; block i lives in file i % P at offset (i / P) * bs (striping).
+  const std::uint64_t blocks = size / bs;
+  const std::uint64_t per_file = (blocks + dirs.size() - 1) / dirs.size() * bs;
+  std::vector<std::string> names;
+  bool laid_out = false;
+  for (std::size_t i = 0; i < dirs.size(); ++i) {
+    names.push_back(dirs[i] + "/strata-bench-io-" + std::to_string(i) + ".dat");
+    if (is_laid_out(names.back(), per_file)) continue;
+    if (progress)
+      std::fprintf(stderr, "  laying out %s (%s)...\n", names.back().c_str(),
+                   format_bytes(per_file).c_str());
+    const std::string part = names.back() + ".part";
+    {
+      File file(part, File::Mode::Create, options.direct);
+      file.allocate(per_file);
+      engine->register_file(file);
+      pass(IoOp::Write, per_file / bs,
+           [&](std::uint64_t b) { return std::pair<const File*, std::uint64_t>(&file, b * bs); });
+      engine->unregister_file(file);
+      if (::fsync(file.fd()) != 0) throw IoError(Errc::io_error, part, 0, per_file, errno, "fsync");
+    }
+    std::filesystem::rename(part, names.back());
+    laid_out = true;
   }
-  const double seconds = pass(is_read ? IoOp::Read : IoOp::Write, order, progress);
+
+  std::vector<File> files;
+  files.reserve(names.size());
+  for (const auto& name : names) {
+    files.emplace_back(name, File::Mode::ReadWrite, options.direct);
+    drop_page_cache(files.back());
+    engine->register_file(files.back());
+  }
+  // What was in effect, not what was asked: a filesystem that refuses O_DIRECT (ramfs) gets
+  // buffered I/O (File's fallback).
+  const bool direct =
+      std::all_of(files.begin(), files.end(), [](const File& f) { return f.direct(); });
+
+  std::vector<std::uint64_t> order(blocks);
+  std::iota(order.begin(), order.end(), 0);
+  if (is_random) std::shuffle(order.begin(), order.end(), std::mt19937_64(1));
+  const double seconds = pass(is_read ? IoOp::Read : IoOp::Write, blocks, [&](std::uint64_t i) {
+    const std::uint64_t block = order[i];
+    return std::pair<const File*, std::uint64_t>(&files[block % files.size()],
+                                                 block / files.size() * bs);
+  });
   const std::uint64_t bytes = blocks * bs;
 
   engine->unregister_buffer(slab.data());
@@ -188,7 +232,9 @@ void run(const Args& args) {
                            {"qd", args.qd},
                            {"threads", engine->kind() == EngineKind::Posix ? args.threads : 1},
                            {"paths", dirs},
-                           {"direct", options.direct},
+                           {"direct", direct},
+                           {"direct_requested", options.direct},
+                           {"laid_out", laid_out},
                            {"bytes", bytes},
                            {"seconds", seconds},
                            {"mb_per_s", static_cast<double>(bytes) / seconds / 1e6},
@@ -196,10 +242,11 @@ void run(const Args& args) {
   if (args.json) {
     print_json(out);
   } else {
-    std::printf("io %s: %s in %.2f s = %.1f MB/s, %.0f IOPS (bs %s, qd %u, %zu path%s, %s)\n",
+    std::printf("io %s: %s in %.2f s = %.1f MB/s, %.0f IOPS (bs %s, qd %u, %zu path%s, %s, %s)\n",
                 args.rw.c_str(), format_bytes(bytes).c_str(), seconds,
                 static_cast<double>(bytes) / seconds / 1e6, static_cast<double>(blocks) / seconds,
                 format_bytes(bs).c_str(), args.qd, dirs.size(), dirs.size() == 1 ? "" : "s",
+                direct ? "O_DIRECT" : (options.direct ? "buffered: O_DIRECT refused" : "buffered"),
                 engine->describe().c_str());
   }
 }
