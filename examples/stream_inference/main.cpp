@@ -65,6 +65,10 @@ int main(int argc, char** argv) {
   app.add_flag("--reference", reference, "plain reads of every weight into memory, no strata");
   app.add_flag("--json", json, "print one JSON object");
   app.add_flag("--no-measure", no_measure, "skip measuring compute and transfer alone");
+  app.add_option("--max-roofline", c.max_roofline,
+                 "refuse the figures when max(compute_s, transfer_s) / step_s is above this "
+                 "(default and largest: 1.02)")
+      ->check(CLI::Range(0.0, kMaxRoofline));
   app.add_option("--trace", c.trace, "Chrome trace of the last pass");
   app.add_option("--svg", c.svg, "SVG timeline of the last pass");
   app.add_option("--generate", generate, "write a synthetic model to this file and exit");

@@ -3,6 +3,9 @@
 #include <cblas.h>
 #include <fcntl.h>
 #include <unistd.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <chrono>
@@ -104,7 +107,50 @@ void check_input(const ModelSpec& m, const std::vector<float>& input, int batch)
                  " = ", static_cast<std::size_t>(batch) * m.input_dim());
 }
 
+// Note [Measuring compute_s]
+// compute_s is the forward pass's compute alone, measured under the conditions of the streamed
+// pass it is compared with. Each timed pass k runs three passes, every one from the same state
+// (cold and drained: the planner idle, no move in flight, no layer on the device or the host
+// tier, the file the only copy):
+//   1. compute-only: layer by layer, the layer's own weights are leased on the device (brought in
+//      from the file, untimed), flushed from the CPU caches (untimed), and only its compute is
+//      timed; compute_s is the sum. The layer's weights are read from memory once, as in the
+//      streamed pass, where they were loaded while earlier layers computed: one cache-hot buffer
+//      reused for every layer (what this replaced) measured a compute that no real pass can do.
+//   2. transfer-only: every layer through the same pipeline, nothing computed (transfer_s).
+//   3. the streamed pass (step_s).
+// The medians over the passes give compute_s, transfer_s and step_s; a roofline above
+// kMaxRoofline means one of them was mismeasured, and the figures are refused.
+void flush_from_cpu_caches(const void* p, std::size_t bytes) {
+#if defined(__x86_64__) || defined(__i386__)
+  const auto* c = static_cast<const char*>(p);
+  for (std::size_t i = 0; i < bytes; i += 64)
+    _mm_clflush(c + i);
+  if (bytes > 0) _mm_clflush(c + bytes - 1);
+  _mm_mfence();
+#else
+  // Other architectures: no flush; the tail of a layer the load just wrote may still be cached,
+  // so compute_s may be a little low there.
+  (void)p;
+  (void)bytes;
+#endif
+}
+
 }  // namespace
+
+double checked_roofline(double compute_s, double transfer_s, double step_s, double limit) {
+  const double roofline = step_s > 0 ? std::max(compute_s, transfer_s) / step_s : 0;
+  if (roofline > limit) {
+    char msg[512];
+    std::snprintf(msg, sizeof msg,
+                  "roofline %.3f = max(compute_s %.6f s, transfer_s %.6f s) / step_s %.6f s is "
+                  "above %.2f: the step does both, so neither alone can take longer; one of the "
+                  "three was mismeasured and the figures are refused",
+                  roofline, compute_s, transfer_s, step_s, limit);
+    throw RooflineError(Errc::internal, msg);
+  }
+  return roofline;
+}
 
 int ModelSpec::max_dim() const {
   int d = 0;
@@ -358,8 +404,13 @@ InferenceResult run_streamed(const InferenceConfig& c) {
                      static_cast<double>(r.device_budget),
                  0.01, 1.0);
 
-  // Each pass starts cold: no layer on the device or the host, the file its only copy.
+  // Each pass starts cold and drained (Note [Measuring compute_s]): the planner idle (it does not
+  // prefetch the next iteration: across_iterations is off), no move in flight, no layer on the
+  // device or the host tier.
+  po.across_iterations = false;
+  PrefetchPipeline p(rt, po);
   auto cool = [&] {
+    p.drain();
     rt.synchronize();
     for (std::size_t i = 0; i < w.size(); ++i)
       for (TensorId t : {w[i], b[i]}) {
@@ -367,7 +418,13 @@ InferenceResult run_streamed(const InferenceConfig& c) {
         rt.evict(t, Tier::Host);
       }
   };
-  auto pass = [&](PrefetchPipeline& p, bool compute) {
+  auto output_of = [&](const float* in) {
+    std::vector<float> result(static_cast<std::size_t>(c.batch) * m.output_dim());
+    be.copy(result.data(), in, result.size() * sizeof(float), CopyKind::DeviceToHost);
+    return result;
+  };
+  // The streamed pass (compute) or a transfer-only one: its time and output.
+  auto pass = [&](bool compute) {
     cool();
     const auto t0 = Clock::now();
     be.copy(x, c.input.data(), c.input.size() * sizeof(float), CopyKind::HostToDevice);
@@ -388,52 +445,58 @@ InferenceResult run_streamed(const InferenceConfig& c) {
       p.end_step(std::move(leases));
     }
     p.end_iteration();
-    std::vector<float> result(static_cast<std::size_t>(c.batch) * m.output_dim());
-    be.copy(result.data(), in, result.size() * sizeof(float), CopyKind::DeviceToHost);
+    std::vector<float> result = output_of(in);
     return std::make_pair(seconds_since(t0), std::move(result));
   };
-
-  if (c.measure) {
-    // compute_s: every layer's compute with its weights already in device memory.
-    std::vector<double> cs;
-    void* wbuf = be.allocate_device(m.layers[largest_index].weight->bytes());
-    void* bbuf = be.allocate_device(m.layers[largest_index].bias->bytes() + 256);
-    std::memset(wbuf, 0, m.layers[largest_index].weight->bytes());
-    std::memset(bbuf, 0, m.layers[largest_index].bias->bytes());
-    for (int rep = 0; rep < 3; ++rep) {
-      be.copy(x, c.input.data(), c.input.size() * sizeof(float), CopyKind::HostToDevice);
+  // The compute-only pass: the sum of the layers' compute times, each layer's own weights
+  // resident and out of the CPU caches when its timer starts.
+  auto compute_pass = [&] {
+    cool();
+    be.copy(x, c.input.data(), c.input.size() * sizeof(float), CopyKind::HostToDevice);
+    float* in = x;
+    float* out = y;
+    double seconds = 0;
+    for (std::size_t i = 0; i < m.layers.size(); ++i) {
+      Lease wl = rt.acquire(w[i], Tier::Device, Access::Read).get();
+      Lease bl = rt.acquire(b[i], Tier::Device, Access::Read).get();
+      wl.wait();
+      bl.wait();
+      flush_from_cpu_caches(wl.data(), wl.bytes());
+      flush_from_cpu_caches(bl.data(), bl.bytes());
+      rt.synchronize();  // nothing in flight while the timer runs
       const auto t0 = Clock::now();
-      float* in = x;
-      float* out = y;
-      for (std::size_t i = 0; i < m.layers.size(); ++i) {
-        layer_forward(m.layers[i], wbuf, bbuf, in, out, c.batch, i + 1 < m.layers.size(), s);
-        std::swap(in, out);
-      }
-      cs.push_back(seconds_since(t0));
+      layer_forward(m.layers[i], wl.data(), bl.data(), in, out, c.batch, i + 1 < m.layers.size(),
+                    s);
+      seconds += seconds_since(t0);
+      std::swap(in, out);
     }
-    be.deallocate_device(wbuf);
-    be.deallocate_device(bbuf);
-    r.compute_s = median(cs);
-  }
-
-  PrefetchPipeline p(rt, po);
-  pass(p, true);  // warm-up: records the schedule
-  // Timed passes; with measure, each is paired with a transfer-only pass (every layer through
-  // the same pipeline, nothing computed) run just before it, so that both see the disk in the
-  // same state (this machine's disk drifts by 20-30% from one second to the next).
-  std::vector<double> times, transfers;
-  std::uint64_t read_in_passes = 0;
-  for (int i = 0; i < c.passes; ++i) {
-    if (c.measure) transfers.push_back(pass(p, false).first);
-    if (i + 1 == c.passes) rt.telemetry().clear();  // the trace shows the last pass
-    const std::uint64_t read0 = rt.io()->stats().bytes_read;
-    auto [seconds, out] = pass(p, true);
-    read_in_passes += rt.io()->stats().bytes_read - read0;
-    times.push_back(seconds);
+    return std::make_pair(seconds, output_of(in));
+  };
+  auto agree = [&](std::vector<float> out) {
     if (!r.output.empty() && out != r.output) r.passes_agree = false;
     r.output = std::move(out);
+  };
+
+  pass(true);  // warm-up: records the schedule
+  // Timed pass k: compute-only, transfer-only, streamed, each from the same state; the
+  // transfer-only pass runs just before the streamed one, so both see the disk in the same state
+  // (this machine's disk drifts by 20-30% from one second to the next).
+  std::vector<double> times, computes, transfers;
+  std::uint64_t read_in_passes = 0;
+  for (int i = 0; i < c.passes; ++i) {
+    if (c.measure) {
+      auto [seconds, out] = compute_pass();
+      computes.push_back(seconds);
+      agree(std::move(out));
+      transfers.push_back(pass(false).first);
+    }
+    if (i + 1 == c.passes) rt.telemetry().clear();  // the trace shows the last pass
+    const std::uint64_t read0 = rt.io()->stats().bytes_read;
+    auto [seconds, out] = pass(true);
+    read_in_passes += rt.io()->stats().bytes_read - read0;
+    times.push_back(seconds);
+    agree(std::move(out));
   }
-  r.transfer_s = median(transfers);
   r.bytes_nvme_read = read_in_passes;
   double total = 0;
   for (double t : times)
@@ -441,7 +504,6 @@ InferenceResult run_streamed(const InferenceConfig& c) {
   r.step_s = median(times);
   r.gbps_nvme_read = total > 0 ? static_cast<double>(r.bytes_nvme_read) / total / 1e9 : 0;
   r.samples_per_s = r.step_s > 0 ? c.batch / r.step_s : 0;
-  r.roofline = r.step_s > 0 ? std::max(r.compute_s, r.transfer_s) / r.step_s : 0;
   r.peak_device_bytes = be.device_stats().peak_bytes;
   if (!c.trace.empty()) rt.telemetry().write_chrome_trace(c.trace);
   if (!c.svg.empty())
@@ -449,6 +511,11 @@ InferenceResult run_streamed(const InferenceConfig& c) {
                        "stream_inference: " + std::to_string(m.layers.size()) + " layers, " +
                            format_bytes(m.model_bytes) + ", device budget " +
                            format_bytes(r.device_budget));
+  if (c.measure) {  // after the trace and SVG, which show what a refused figure came from
+    r.compute_s = median(computes);
+    r.transfer_s = median(transfers);
+    r.roofline = checked_roofline(r.compute_s, r.transfer_s, r.step_s, c.max_roofline);
+  }
   return r;
 }
 

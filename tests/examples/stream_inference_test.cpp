@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <string>
 
 #include "io/io_test_util.h"
@@ -14,9 +15,11 @@
 namespace strata::testing {
 namespace {
 
+using examples::checked_roofline;
 using examples::describe_model;
 using examples::generate_model;
 using examples::InferenceConfig;
+using examples::RooflineError;
 using examples::run_reference;
 using examples::run_streamed;
 namespace st = strata::safetensors;
@@ -106,6 +109,57 @@ TEST_F(StreamInferenceTest, StreamedOutputEqualsTheReferenceWithAFractionOfTheMo
       EXPECT_EQ(run_streamed(c).output, expected) << prefetch;
     }
   }
+}
+
+// The measuring passes (compute-only, transfer-only) run beside the timed ones without changing
+// what the timed ones do: the compute-only pass computes the same output from each layer's own
+// weights, and only the timed passes' reads are counted. No timing is asserted: the roofline
+// guard is lifted, and its own test below uses fixed figures.
+TEST_F(StreamInferenceTest, MeasuringPassesComputeTheSameOutputAndCountNoReads) {
+  const std::string path = dir_.file("m.safetensors");
+  generate_model(path, 10, 96, DType::BF16);
+  InferenceConfig c;
+  c.model = path;
+  c.batch = 4;
+  c.input = input(4 * 96);
+  c.device_budget = 160 * 1024;  // the buffers and one or two layers
+  c.prefetch = "none";           // each layer read once per pass: the byte counts are exact
+  c.passes = 3;
+  c.measure = false;
+  const auto plain = run_streamed(c);
+  c.measure = true;
+  c.max_roofline = std::numeric_limits<double>::infinity();
+  const auto measured = run_streamed(c);
+  EXPECT_TRUE(measured.passes_agree);  // the compute-only passes gave the timed passes' output
+  EXPECT_EQ(measured.output, run_reference(path, c.input, c.batch));
+  EXPECT_EQ(measured.output, plain.output);
+  EXPECT_EQ(measured.bytes_nvme_read, plain.bytes_nvme_read);
+  EXPECT_GE(plain.bytes_nvme_read, 3 * plain.model.model_bytes);
+  EXPECT_GT(measured.compute_s, 0.0);
+  EXPECT_GT(measured.transfer_s, 0.0);
+  EXPECT_GT(measured.step_s, 0.0);
+  EXPECT_DOUBLE_EQ(measured.roofline,
+                   std::max(measured.compute_s, measured.transfer_s) / measured.step_s);
+  EXPECT_EQ(plain.compute_s, 0.0);  // not measured: not reported
+  EXPECT_EQ(plain.roofline, 0.0);
+}
+
+TEST_F(StreamInferenceTest, ARooflineAboveTheLimitIsRefusedNamingTheThreeFigures) {
+  EXPECT_DOUBLE_EQ(checked_roofline(0.9, 0.5, 1.0), 0.9);
+  EXPECT_DOUBLE_EQ(checked_roofline(0.5, 1.02, 1.0), 1.02);  // at the limit: accepted
+  EXPECT_EQ(checked_roofline(0.5, 0.5, 0.0), 0.0);
+  try {
+    checked_roofline(0.25, 1.32, 1.0);
+    ADD_FAILURE() << "a roofline of 1.32 was accepted";
+  } catch (const RooflineError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("roofline 1.320 = max(compute_s 0.250000 s, transfer_s 1.320000 s) / "
+                     "step_s 1.000000 s is above 1.02"),
+              std::string::npos)
+        << m;
+  }
+  EXPECT_THROW(checked_roofline(1.0, 0.0, 0.5, 1.5), RooflineError);
+  EXPECT_THROW(checked_roofline(0.1, 0.1, 1.0, 0.0), RooflineError);
 }
 
 TEST_F(StreamInferenceTest, BadModelsInputsAndBudgetsAreClearErrors) {
