@@ -2,27 +2,20 @@
 """Interop with the reference safetensors implementation (the `safetensors` Python package).
 
 1. A model written by `safetensors.numpy.save_file` (F32 and F16 layers, unaligned offsets) is
-   streamed by stream_inference; its output equals stream_inference --reference bit for bit and
-   numpy's own forward pass to float32 rounding.
+   streamed by stream_inference; its output equals stream_inference --reference bit for bit.
+   (stream_inference_numpy.py compares the output with numpy's forward pass.)
 2. A model written by `stream_inference --generate` loads with `safetensors.numpy.load_file`
    with the shapes and dtypes strata wrote.
 
 Without numpy or safetensors it exits 77 (skipped, saying why), except in CI (CI set), where a
-missing dependency is a failure: scripts/install-deps.sh installs both.
+missing dependency is a failure: mlp_numpy checks them when imported.
 """
 import os
 import subprocess
 import sys
 
-try:
-    import numpy as np
-    from safetensors.numpy import load_file, save_file
-except ImportError as e:  # pragma: no cover
-    if os.environ.get("CI"):
-        print(f"FAIL: {e}: CI must have numpy and safetensors (scripts/install-deps.sh)")
-        sys.exit(1)
-    print(f"SKIP: {e} (scripts/install-deps.sh installs numpy and safetensors into .venv)")
-    sys.exit(77)
+from mlp_numpy import np  # exits 77 (or 1 in CI) without numpy or safetensors
+from safetensors.numpy import load_file, save_file
 
 binary, work = sys.argv[1], sys.argv[2]
 os.makedirs(work, exist_ok=True)
@@ -52,15 +45,7 @@ run("--output", os.path.join(work, "r.bin"), "--reference")
 streamed = np.fromfile(os.path.join(work, "s.bin"), dtype=np.float32)
 reference = np.fromfile(os.path.join(work, "r.bin"), dtype=np.float32)
 assert streamed.tobytes() == reference.tobytes(), "streamed != reference"
-
-h = x
-for i in range(len(dims) - 1):
-    w = tensors[f"layers.{i}.weight"].astype(np.float32)
-    b = tensors[f"layers.{i}.bias"].astype(np.float32)
-    h = h @ w.T + b
-    if i + 1 < len(dims) - 1:
-        h = np.maximum(h, 0)
-assert np.allclose(streamed.reshape(batch, -1), h, rtol=1e-4, atol=1e-5), "differs from numpy"
+assert streamed.size == batch * dims[-1] and np.count_nonzero(streamed) > 0, streamed.size
 
 generated = os.path.join(work, "gen.safetensors")
 subprocess.run([binary, "--generate", generated, "--layers", "3", "--hidden", "40", "--dtype",
