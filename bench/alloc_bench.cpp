@@ -1,7 +1,11 @@
 // strata-bench alloc: replays a synthetic, training-like allocation trace on the RangeAllocator
-// and on malloc/free, and reports throughput and fragmentation.
+// and on malloc/free (glibc's defaults, and glibc keeping large blocks), and reports throughput
+// and fragmentation.
+#include <malloc.h>
+
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <random>
 #include <vector>
@@ -9,6 +13,7 @@
 #include <CLI/CLI.hpp>
 
 #include "bench_common.h"
+#include "strata/io/error.h"
 #include "strata/io/range_allocator.h"
 #include "strata/io/units.h"
 
@@ -161,6 +166,40 @@ double replay_malloc(const Trace& trace, std::vector<void*>& at) {
   return seconds_since(start);
 }
 
+// Note [malloc variants]: glibc serves a block above M_MMAP_THRESHOLD (128 KiB at first, raised
+// as mmapped blocks are freed, up to 32 MiB) with a fresh mmap and returns it with munmap on free,
+// so by default every large block costs two system calls and a page fault; the RangeAllocator
+// keeps its range. The "cached" variant makes glibc keep large blocks too: M_MMAP_MAX = 0 (no
+// mmap at all: M_MMAP_THRESHOLD alone cannot be raised above 32 MiB, and the trace has blocks of
+// up to 256 MiB) and M_TRIM_THRESHOLD = -1 (the top of the heap is never given back), so every
+// block comes from the heap and is reused. mallopt is process-global and setting a threshold
+// ends glibc's dynamic adjustment for good, so the default variant runs first and completely,
+// before any mallopt call. An untimed replay of each variant samples mallinfo2 after every
+// allocation; the most mmapped blocks held at once proves which variant used mmap.
+
+// Replays the trace once, untimed, and returns the most of its blocks malloc held in mmapped
+// chunks at once (mallinfo2().hblks, less the mmapped blocks live before: the trace itself).
+std::size_t peak_mmapped_blocks(const Trace& trace, std::vector<void*>& at) {
+  const std::size_t before = ::mallinfo2().hblks;
+  std::size_t peak = before;
+  for (const Op& op : trace.ops) {
+    if (op.bytes != 0) {
+      at[op.id] = std::malloc(op.bytes);
+      if (at[op.id] == nullptr) std::abort();
+      peak = std::max(peak, ::mallinfo2().hblks);
+    } else {
+      std::free(at[op.id]);
+    }
+  }
+  return peak - before;
+}
+
+// Switches glibc to keeping every block on its heap (Note [malloc variants]). False when malloc
+// refuses the settings (it is not glibc's: a sanitizer's allocator, for instance).
+bool make_malloc_keep_large_blocks() {
+  return ::mallopt(M_MMAP_MAX, 0) == 1 && ::mallopt(M_TRIM_THRESHOLD, -1) == 1;
+}
+
 }  // namespace
 
 void register_alloc(CLI::App& app) {
@@ -184,7 +223,7 @@ void register_alloc(CLI::App& app) {
   cmd->add_option("--capacity-factor", args->capacity_factor,
                   "allocator range = factor x the trace's peak live bytes")
       ->check(CLI::Range(1.0, 64.0));
-  cmd->add_option("--repeats", args->repeats, "timed replays (best is reported)")
+  cmd->add_option("--repeats", args->repeats, "timed replays of each (best is reported)")
       ->check(CLI::Range(1, 100));
   cmd->add_flag("--json", args->json, "print one JSON object");
   cmd->callback([args] {
@@ -196,13 +235,30 @@ void register_alloc(CLI::App& app) {
     std::vector<std::uint64_t> offsets(trace.ids);
     std::vector<void*> pointers(trace.ids);
 
-    double best_range = 1e30, best_malloc = 1e30;
+    // Note [malloc variants]: glibc's defaults first, then glibc keeping its blocks.
+    double best_range = 1e30, best_malloc = 1e30, best_cached = 1e30;
     RangeStats last{};
     for (int r = 0; r < args->repeats; ++r) {
       RangeAllocator ranges("bench", capacity, 256);
       best_range = std::min(best_range, replay_range(trace, ranges, offsets));
       last = ranges.stats();
       best_malloc = std::min(best_malloc, replay_malloc(trace, pointers));
+    }
+    const std::size_t malloc_mmapped = peak_mmapped_blocks(trace, pointers);
+    const bool cached = make_malloc_keep_large_blocks();
+    std::size_t cached_mmapped = 0, cached_heap_bytes = 0;
+    if (cached) {
+      for (int r = 0; r < args->repeats; ++r)
+        best_cached = std::min(best_cached, replay_malloc(trace, pointers));
+      cached_mmapped = peak_mmapped_blocks(trace, pointers);
+      cached_heap_bytes = ::mallinfo2().arena;  // never trimmed: the most the heap held
+      if (cached_mmapped != 0)
+        STRATA_FAIL(Errc::internal, "malloc with M_MMAP_MAX = 0 still held ", cached_mmapped,
+                    " mmapped blocks: the cached variant is not what it claims");
+    } else {
+      std::fprintf(stderr,
+                   "strata-bench alloc: mallopt refused M_MMAP_MAX/M_TRIM_THRESHOLD (malloc is "
+                   "not glibc's?): no cached-malloc figures\n");
     }
 
     // An untimed replay to sample fragmentation at the peak of allocated bytes.
@@ -239,6 +295,14 @@ void register_alloc(CLI::App& app) {
         {"ops_per_s", ops / best_range},
         {"malloc_ops_per_s", ops / best_malloc},
         {"speedup_vs_malloc", best_malloc / best_range},
+        {"malloc_mmapped_blocks_peak", malloc_mmapped},
+        {"malloc_cached_ops_per_s", cached ? nlohmann::json(ops / best_cached) : nullptr},
+        {"speedup_vs_malloc_cached", cached ? nlohmann::json(best_cached / best_range) : nullptr},
+        {"malloc_cached_heap_over_allocated",
+         cached ? nlohmann::json(static_cast<double>(cached_heap_bytes) /
+                                 static_cast<double>(trace.peak_live_bytes))
+                : nullptr},
+        {"malloc_cached_mmapped_blocks_peak", cached ? nlohmann::json(cached_mmapped) : nullptr},
         {"peak_reserved_over_allocated",
          static_cast<double>(s.peak_reserved_bytes) / static_cast<double>(s.peak_bytes)},
         {"fragmentation", frag_at_peak},
@@ -248,11 +312,18 @@ void register_alloc(CLI::App& app) {
       print_json(out);
     } else {
       std::printf(
-          "alloc: %zu ops (%s..%s) | RangeAllocator %.2f Mops/s, malloc %.2f Mops/s (%.1fx) | "
+          "alloc: %zu ops (%s..%s) | RangeAllocator %.2f Mops/s | malloc %.2f Mops/s (%.1fx; "
+          "mmap for large blocks, %zu at once) | malloc keeping blocks %.2f Mops/s (%.1fx, heap "
+          "%.3f x peak live) | "
           "peak reserved/allocated %.3f | fragmentation at peak %.3f (mean %.3f)\n",
           trace.ops.size(), format_bytes(trace.min_bytes).c_str(),
           format_bytes(trace.max_bytes).c_str(), ops / best_range / 1e6, ops / best_malloc / 1e6,
-          best_malloc / best_range, out["peak_reserved_over_allocated"].get<double>(), frag_at_peak,
+          best_malloc / best_range, malloc_mmapped, cached ? ops / best_cached / 1e6 : 0.0,
+          cached ? best_cached / best_range : 0.0,
+          cached
+              ? static_cast<double>(cached_heap_bytes) / static_cast<double>(trace.peak_live_bytes)
+              : 0.0,
+          out["peak_reserved_over_allocated"].get<double>(), frag_at_peak,
           out["fragmentation_mean"].get<double>());
     }
   });
