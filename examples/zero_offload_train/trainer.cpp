@@ -147,33 +147,19 @@ std::vector<float> initial_params(const Shape& s, std::uint64_t seed, int layer)
   return p;
 }
 
-// Forward, backward and optimizer alone, on scratch buffers of one layer's size (every layer
-// has the same shape): medians of three repetitions over all layers.
-void measure_compute(const Shape& s, const TrainConfig& c, TrainResult& r) {
-  std::vector<float> w = initial_params(s, c.seed, 0), m(2 * s.params(), 0.0f);
-  std::vector<float> g(s.params()), in(s.activation()), out(s.activation()), dz(s.activation());
-  for (std::size_t k = 0; k < in.size(); ++k) {
-    in[k] = std::max(0.0f, uniform(c.seed, 7, k));
-    dz[k] = 1e-3f * uniform(c.seed, 8, k);
-  }
-  std::vector<double> f, b, o;
-  for (int rep = 0; rep < 3; ++rep) {
-    auto t0 = Clock::now();
-    for (int i = 0; i < s.layers; ++i)
-      forward_layer(s, w.data(), in.data(), out.data(), i + 1 < s.layers);
-    f.push_back(seconds_since(t0));
-    t0 = Clock::now();
-    for (int i = 0; i < s.layers; ++i)
-      backward_layer(s, w.data(), in.data(), dz.data(), g.data(), i > 0 ? out.data() : nullptr);
-    b.push_back(seconds_since(t0));
-    t0 = Clock::now();
-    for (int i = 0; i < s.layers; ++i)
-      adam(s, c, w.data(), m.data(), g.data(), static_cast<std::uint64_t>(rep) + 1);
-    o.push_back(seconds_since(t0));
-  }
-  r.forward_s = median(f);
-  r.backward_s = median(b);
-  r.optimizer_s = median(o);
+// Times `kernel` as one compute span on `clock`'s telemetry (the trace shows it) and returns
+// its seconds. Thread-safe: Adam's spans come from the optimizer's thread.
+template <class Kernel>
+double compute_span(Telemetry& clock, TensorId tensor, int layer, Kernel&& kernel) {
+  const std::uint64_t start = clock.now_ns();
+  kernel();
+  const std::uint64_t end = clock.now_ns();
+  clock.record({start, end, Track::Compute, 0, tensor, static_cast<std::uint64_t>(layer)});
+  return static_cast<double>(end - start) * 1e-9;
+}
+
+double seconds_between(std::uint64_t start_ns, std::uint64_t end_ns) {
+  return static_cast<double>(end_ns - start_ns) * 1e-9;
 }
 
 TrainResult train_reference(const TrainConfig& c, const Shape& s) {
@@ -188,27 +174,42 @@ TrainResult train_reference(const TrainConfig& c, const Shape& s) {
   std::vector<float> out(s.activation()), target(s.activation()), dz(s.activation()),
       din(s.activation());
   Data data(s, c.seed);
-  std::vector<double> times;
+  Telemetry clock(static_cast<std::size_t>(c.steps) * (3 * s.layers + 4));
   for (int step = 0; step < c.steps; ++step) {
-    const auto t0 = Clock::now();
+    StepPhases ph;
+    const std::uint64_t t0 = clock.now_ns();
     data.batch(step, act[0].data(), target.data());
+    ph.prep_s = seconds_between(t0, clock.now_ns());
     for (int i = 0; i < s.layers; ++i) {
       const bool last = i + 1 == s.layers;
-      forward_layer(s, w[i].data(), act[i].data(), last ? out.data() : act[i + 1].data(), !last);
+      ph.forward_s += compute_span(clock, 0, i, [&] {
+        forward_layer(s, w[i].data(), act[i].data(), last ? out.data() : act[i + 1].data(), !last);
+      });
     }
-    r.losses.push_back(loss_and_grad(s, out.data(), target.data(), dz.data()));
+    ph.loss_s = compute_span(clock, 0, s.layers, [&] {
+      r.losses.push_back(loss_and_grad(s, out.data(), target.data(), dz.data()));
+    });
     for (int i = s.layers - 1; i >= 0; --i) {
-      backward_layer(s, w[i].data(), act[i].data(), dz.data(), g[i].data(),
-                     i > 0 ? din.data() : nullptr);
+      ph.backward_s += compute_span(clock, 0, i, [&] {
+        backward_layer(s, w[i].data(), act[i].data(), dz.data(), g[i].data(),
+                       i > 0 ? din.data() : nullptr);
+      });
       std::swap(dz, din);
-      adam(s, c, w[i].data(), st[i].data(), g[i].data(), static_cast<std::uint64_t>(step) + 1);
+      ph.optimizer_s += compute_span(clock, 0, i, [&] {
+        adam(s, c, w[i].data(), st[i].data(), g[i].data(), static_cast<std::uint64_t>(step) + 1);
+      });
     }
-    times.push_back(seconds_since(t0));
+    ph.backward_optimizer_s = ph.backward_s + ph.optimizer_s;  // one after the other
+    ph.step_s = seconds_between(t0, clock.now_ns());
+    r.steps.push_back(ph);
   }
-  r.step_s = median(times);
   r.peak_host_bytes = (s.layers * 4 * p + (s.layers + 4) * s.activation()) * sizeof(float);
   r.stats_json = "{}";
   r.pipeline_json = "{}";
+  if (c.keep_state) {
+    r.final_params = std::move(w);
+    r.final_moments = std::move(st);
+  }
   return r;
 }
 
@@ -316,6 +317,13 @@ TrainResult train_offloaded(const TrainConfig& c, const Shape& s) {
   o.staging_chunk_bytes = budgets.staging / 4;
   o.staging_chunks = 4;
   o.quiet = c.quiet;
+  // Every span of the training must stay in the ring (the bound is derived from them): per layer
+  // and step at most ~9 layer-sized moves of chunks with two spans each, and three kernels;
+  // twice that for room.
+  const std::size_t chunks_per_layer = p4 / (budgets.staging / 4) + 1;
+  o.trace_events = std::max<std::size_t>(
+      o.trace_events, 2 * static_cast<std::size_t>(c.steps) *
+                          (static_cast<std::size_t>(s.layers) * (18 * chunks_per_layer + 3) + 8));
   if (c.offload == Offload::Nvme) {
     o.nvme.paths = {dir};
     o.nvme.capacity_bytes =
@@ -367,27 +375,37 @@ TrainResult train_offloaded(const TrainConfig& c, const Shape& s) {
   const double room = static_cast<double>(budgets.device) -
                       static_cast<double>(rt.backend().device_stats().current_bytes);
   po.budget_fraction = std::clamp(room / static_cast<double>(budgets.device), 0.01, 1.0);
-  std::vector<double> times;
+  Telemetry& clock = rt.telemetry();
+  const IoStats io_before = rt.io() != nullptr ? rt.io()->stats() : IoStats{};
+  std::vector<StepWindow> windows;
   {
     PrefetchPipeline pipe(rt, po);
     tbb::task_group optimizer;
     for (int step = 0; step < c.steps; ++step) {
       if (c.on_step) c.on_step(step);
-      const auto t0 = Clock::now();
+      StepPhases ph;
+      StepWindow window;
+      window.start_ns = clock.now_ns();
       const std::uint64_t adam_step = static_cast<std::uint64_t>(step) + 1;
       data.batch(step, x.data(), target.data());
       rt.backend().copy(buf.act(0), x.data(), x.size() * sizeof(float), CopyKind::HostToDevice);
       rt.backend().copy(buf.target(), target.data(), target.size() * sizeof(float),
                         CopyKind::HostToDevice);
+      ph.prep_s = seconds_between(window.start_ns, clock.now_ns());
       pipe.begin_iteration();
       for (int i = 0; i < s.layers; ++i) {
         StepLeases in = pipe.begin_step(fwd[i], {{w[i], Use::Read, Tier::Device}});
         in.wait();
         const bool last = i + 1 == s.layers;
-        forward_layer(s, in[0].as<float>(), buf.act(i), last ? buf.out() : buf.act(i + 1), !last);
+        ph.forward_s += compute_span(clock, w[i], i, [&] {
+          forward_layer(s, in[0].as<float>(), buf.act(i), last ? buf.out() : buf.act(i + 1), !last);
+        });
         pipe.end_step(std::move(in));
       }
-      r.losses.push_back(loss_and_grad(s, buf.out(), buf.target(), buf.dz()));
+      ph.loss_s = compute_span(clock, 0, s.layers, [&] {
+        r.losses.push_back(loss_and_grad(s, buf.out(), buf.target(), buf.dz()));
+      });
+      window.backward_ns = clock.now_ns();
       // Backward of layer i overlaps Adam of layer i + 1, whose gradient went down to the host
       // as soon as its backward ended and whose states the planner has been reading meanwhile.
       float* dz = buf.dz();
@@ -403,22 +421,33 @@ TrainResult train_offloaded(const TrainConfig& c, const Shape& s) {
         }
         StepLeases in = pipe.begin_step(i >= 0 ? bwd[i] : "adam.0", std::move(uses));
         in.wait();
+        double adam_s = 0, backward_s = 0;
         if (u < s.layers) {
           optimizer.run([&, u] {
-            adam(s, c, in.of(w[u]).as<float>(), in.of(st[u]).as<float>(), in.of(g[u]).as<float>(),
-                 adam_step);
+            adam_s = compute_span(clock, st[u], u, [&] {
+              adam(s, c, in.of(w[u]).as<float>(), in.of(st[u]).as<float>(), in.of(g[u]).as<float>(),
+                   adam_step);
+            });
           });
         }
         if (i >= 0) {
-          backward_layer(s, in[0].as<float>(), buf.act(i), dz, in[1].as<float>(),
-                         i > 0 ? din : nullptr);
+          backward_s = compute_span(clock, w[i], i, [&] {
+            backward_layer(s, in[0].as<float>(), buf.act(i), dz, in[1].as<float>(),
+                           i > 0 ? din : nullptr);
+          });
           std::swap(dz, din);
         }
-        optimizer.wait();
+        optimizer.wait();  // adam_s is written before wait() returns
+        ph.backward_s += backward_s;
+        ph.optimizer_s += adam_s;
+        ph.backward_optimizer_s += std::max(backward_s, adam_s);  // side by side
         pipe.end_step(std::move(in));
       }
       pipe.end_iteration();  // rethrows a failed write-back: the states stay where they were
-      times.push_back(seconds_since(t0));
+      window.end_ns = clock.now_ns();
+      ph.step_s = seconds_between(window.start_ns, window.end_ns);
+      r.steps.push_back(ph);
+      windows.push_back(window);
     }
     r.pipeline_json = nlohmann::json{{"steps", pipe.stats().steps},
                                      {"prefetches", pipe.stats().prefetches},
@@ -431,34 +460,25 @@ TrainResult train_offloaded(const TrainConfig& c, const Shape& s) {
                                      {"max_host_window_bytes", pipe.stats().max_host_window_bytes}}
                           .dump();
   }
-  r.step_s = median(times);
+  rt.synchronize();  // a span is recorded as its move ends
+  STRATA_EXPECTS(clock.dropped() == 0, "the telemetry ring (", o.trace_events, " events) dropped ",
+                 clock.dropped(), " spans: the steps' link busy times would be incomplete");
+  const std::vector<TraceEvent> events = clock.events();
+  for (std::size_t k = 0; k < windows.size(); ++k)
+    add_link_busy(events, windows[k], r.steps[k]);
+  r.link_bytes = link_bytes(events, windows);
   if (const IoEngine* io = rt.io()) {
-    r.bytes_nvme_read = io->stats().bytes_read;
-    r.bytes_nvme_written = io->stats().bytes_written;
+    r.bytes_nvme_read = io->stats().bytes_read - io_before.bytes_read;
+    r.bytes_nvme_written = io->stats().bytes_written - io_before.bytes_written;
   }
   r.peak_device_bytes = rt.backend().device_stats().peak_bytes;
   r.peak_host_bytes = rt.tier_stats(Tier::Host).peak_bytes + budgets.staging;
-
-  // The states' NVMe traffic alone: every layer's master weights and moments read up to the
-  // host and written back, through the same pipeline, with nothing to compute.
-  if (c.measure && c.offload == Offload::Nvme) {
-    PrefetchPipeline pipe(rt, po);
-    for (int pass = 0; pass < 2; ++pass) {
-      const auto t0 = Clock::now();
-      pipe.begin_iteration();
-      for (int i = 0; i < s.layers; ++i) {
-        StepLeases in = pipe.begin_step(
-            "transfer." + std::to_string(i),
-            {{w[i], Use::ReadWrite, Tier::Host}, {st[i], Use::ReadWrite, Tier::Host}});
-        in.wait();
-        pipe.end_step(std::move(in));
-      }
-      pipe.end_iteration();
-      for (int i = 0; i < s.layers; ++i) {  // all the way down, as a training step leaves them
-        rt.evict(w[i], Tier::Host);
-        rt.evict(st[i], Tier::Host);
-      }
-      r.state_transfer_s = seconds_since(t0);  // the second (replayed) pass counts
+  if (c.keep_state) {
+    for (int i = 0; i < s.layers; ++i) {
+      r.final_params.emplace_back(p);
+      rt.read(w[i], r.final_params.back().data(), p4);
+      r.final_moments.emplace_back(2 * p);
+      rt.read(st[i], r.final_moments.back().data(), 2 * p4);
     }
   }
   r.stats_json = rt.stats_json();
@@ -480,10 +500,21 @@ TrainResult train(const TrainConfig& c) {
   STRATA_EXPECTS(c.lr > 0 && std::isfinite(c.lr), "--lr: must be a positive number");
   const Shape s{c.layers, c.hidden, c.batch};
   TrainResult r = c.reference ? train_reference(c, s) : train_offloaded(c, s);
+  std::vector<double> times;
+  for (const StepPhases& ph : r.steps)
+    times.push_back(ph.step_s);
+  r.step_s = median(times);
   r.params = static_cast<std::uint64_t>(s.layers) * s.params();
   r.state_bytes = r.params * 3 * sizeof(float);
-  if (c.measure) measure_compute(s, c, r);
   return r;
+}
+
+void task_batch(const TrainConfig& c, int step, float* x, float* target) {
+  Data(Shape{c.layers, c.hidden, c.batch}, c.seed).batch(step, x, target);
+}
+
+std::vector<float> task_initial_params(const TrainConfig& c, int layer) {
+  return initial_params(Shape{c.layers, c.hidden, c.batch}, c.seed, layer);
 }
 
 }  // namespace strata::examples
