@@ -1,6 +1,6 @@
 // strata-bench io: sequential or random reads or writes through strata's I/O engines, measured
 // the way fio measures (same block size, queue depth and size, a laid-out file, its page cache
-// dropped first), so the two can be compared.
+// dropped first, random data), so the two can be compared.
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <condition_variable>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <mutex>
 #include <numeric>
@@ -104,6 +105,23 @@ bool is_laid_out(const std::string& path, std::uint64_t bytes) {
   return !ec && size == bytes;
 }
 
+// Note [Written data]: a disk or a host that compresses or deduplicates would write and read
+// zeros or repeated blocks faster than data, so the buffers hold pseudo-random bytes and every
+// written block carries its offset in each 4 KiB page, as fio's random buffers with
+// scramble_buffers=1 (its default) do.
+void fill_random(std::byte* data, std::size_t bytes) {
+  std::mt19937_64 rng(0x5eed);
+  for (std::size_t i = 0; i + sizeof(std::uint64_t) <= bytes; i += sizeof(std::uint64_t)) {
+    const std::uint64_t word = rng();
+    std::memcpy(data + i, &word, sizeof word);
+  }
+}
+
+void stamp(std::byte* block, std::size_t bytes, std::uint64_t offset) {
+  for (std::size_t i = 0; i + sizeof offset <= bytes; i += 4096)
+    std::memcpy(block + i, &offset, sizeof offset);
+}
+
 void drop_page_cache(const File& file) {
   const int rc = ::posix_fadvise(file.fd(), 0, 0, POSIX_FADV_DONTNEED);
   if (rc != 0) throw IoError(Errc::io_error, file.path(), 0, 0, rc, "posix_fadvise");
@@ -136,8 +154,7 @@ void run(const Args& args) {
 
   const std::size_t slots = 2 * args.qd;
   PageBuffer slab(slots * bs, /*lock=*/true, "Host (bench buffers)");
-  for (std::size_t i = 0; i < slab.size(); i += 4096)
-    slab.data()[i] = std::byte(i >> 12);
+  fill_random(slab.data(), slab.size());
   engine->register_buffer(slab.data(), slab.size());
 
   // Runs `count` requests of `op`, the i-th on target(i) = {file, offset}, `slots` in flight.
@@ -154,6 +171,7 @@ void run(const Args& args) {
         break;
       }
       const auto [file, offset] = target(i);
+      if (op == IoOp::Write) stamp(slab.data() + slot * bs, bs, offset);
       const IoRequest r{op, file, offset, bs, slab.data() + slot * bs};
       engine->submit(r, [&window, slot](std::exception_ptr e) { window.release(slot, e); });
       done += bs;
