@@ -1,11 +1,22 @@
-// Note [Adam kernel dispatch]: the kernel is one plain loop that GCC vectorises, compiled for
-// AVX-512, AVX2 and a baseline through target_clones; the loader picks the clone for this CPU
-// (ifunc), so the binary is not tied to the build machine's -march. The file is compiled with
-// -fno-math-errno so sqrt vectorises. Formulas follow torch.optim.Adam/AdamW (foreach=False):
+// Note [Adam kernel dispatch]: the kernel is one plain loop that GCC vectorises, compiled three
+// times: for AVX-512F, for AVX2 and for the x86-64 baseline (`target` attributes on three thin
+// functions that inline the same loop, `flatten` so every helper is inlined into each). The
+// widest one this CPU runs is picked at run time, so the binary is not tied to the build
+// machine's -march, and each can be forced (adam_step with an AdamVariant) so the tests run
+// every one. The file is compiled with -fno-math-errno, so sqrt vectorises, and with
+// -ffp-contract=off: no FMA, every variant rounds the same operations in the same order, so all
+// compute the scalar reference (adam_step_reference) bit for bit. Formulas follow
+// torch.optim.Adam/AdamW (foreach=False):
 //   Adam:  g += wd * p
 //   AdamW: p *= 1 - lr * wd
 //   m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
 //   p -= (lr / (1 - b1^t)) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+//
+// Note [Adam step constants]: the per-step constants (1 - b1, 1 - b2, lr / (1 - b1^t),
+// 1 / sqrt(1 - b2^t), 1 - lr * wd) are computed in double from double hyperparameters and
+// rounded to fp32 once, as PyTorch does with Python floats. In fp32, 1.0f - 0.999f is
+// 0.00099998713, not 0.001: every v would be 1.3e-5 (relative) away from the exact trajectory,
+// over two hundred times fp32's unit roundoff (tests/optim/adam_precision_test.cpp).
 #include "strata/optim/adam.h"
 
 #include <immintrin.h>
@@ -87,23 +98,24 @@ std::uint16_t float_to_f16(float f) noexcept {
 namespace {
 
 struct Scalars {
-  float lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, decay_factor,
-      step_size, inv_sqrt_bc2;
+  float beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, decay_factor, step_size,
+      inv_sqrt_bc2;
   bool decoupled;
 };
 
+// Note [Adam step constants]: in double, rounded to fp32 once.
 Scalars scalars(const AdamConfig& c, std::uint64_t step) {
-  const double bc1 = 1.0 - std::pow(static_cast<double>(c.beta1), static_cast<double>(step));
-  const double bc2 = 1.0 - std::pow(static_cast<double>(c.beta2), static_cast<double>(step));
+  const double t = static_cast<double>(step);
+  const double bc1 = 1.0 - std::pow(c.beta1, t);
+  const double bc2 = 1.0 - std::pow(c.beta2, t);
   Scalars s{};
-  s.lr = c.lr;
-  s.beta1 = c.beta1;
-  s.beta2 = c.beta2;
-  s.one_minus_beta1 = 1.0f - c.beta1;
-  s.one_minus_beta2 = 1.0f - c.beta2;
-  s.eps = c.eps;
-  s.weight_decay = c.weight_decay;
-  s.decay_factor = 1.0f - c.lr * c.weight_decay;
+  s.beta1 = static_cast<float>(c.beta1);
+  s.beta2 = static_cast<float>(c.beta2);
+  s.one_minus_beta1 = static_cast<float>(1.0 - c.beta1);
+  s.one_minus_beta2 = static_cast<float>(1.0 - c.beta2);
+  s.eps = static_cast<float>(c.eps);
+  s.weight_decay = static_cast<float>(c.weight_decay);
+  s.decay_factor = static_cast<float>(1.0 - c.lr * c.weight_decay);
   s.step_size = static_cast<float>(c.lr / bc1);
   s.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
   s.decoupled = c.decoupled_weight_decay;
@@ -131,11 +143,17 @@ inline void run(const Scalars& s, float* __restrict p, float* __restrict m, floa
     store(i, update(s, p[i], m[i], v[i], load(i)));
 }
 
-// One clone per ISA; `copy` is 0 (none), 1 (bf16) or 2 (f16); grads 0 f32, 1 bf16, 2 f16.
-__attribute__((target_clones("avx512f", "avx2", "default"))) void kernel(
-    const Scalars& s, float* __restrict p, float* __restrict m, float* __restrict v,
-    const void* __restrict grads, int grad_kind, std::uint16_t* __restrict copy, int copy_kind,
-    std::size_t n) {
+// The kernel's signature: `copy` is 0 (none), 1 (bf16) or 2 (f16); grads 0 f32, 1 bf16, 2 f16.
+using Kernel = void (*)(const Scalars& s, float* __restrict p, float* __restrict m,
+                        float* __restrict v, const void* __restrict grads, int grad_kind,
+                        std::uint16_t* __restrict copy, int copy_kind, std::size_t n);
+
+// The loop every variant inlines (Note [Adam kernel dispatch]).
+[[gnu::always_inline]] inline void kernel_body(const Scalars& s, float* __restrict p,
+                                               float* __restrict m, float* __restrict v,
+                                               const void* __restrict grads, int grad_kind,
+                                               std::uint16_t* __restrict copy, int copy_kind,
+                                               std::size_t n) {
   const auto* gf = static_cast<const float*>(grads);
   const auto* gh = static_cast<const std::uint16_t*>(grads);
   auto none = [](std::size_t, float) {};
@@ -158,6 +176,42 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void kernel(
     with_grads(gb);
   else
     with_grads(gh16);
+}
+
+__attribute__((target("avx512f"), flatten)) void kernel_avx512f(
+    const Scalars& s, float* __restrict p, float* __restrict m, float* __restrict v,
+    const void* __restrict grads, int grad_kind, std::uint16_t* __restrict copy, int copy_kind,
+    std::size_t n) {
+  kernel_body(s, p, m, v, grads, grad_kind, copy, copy_kind, n);
+}
+
+__attribute__((target("avx2"), flatten)) void kernel_avx2(const Scalars& s, float* __restrict p,
+                                                          float* __restrict m, float* __restrict v,
+                                                          const void* __restrict grads,
+                                                          int grad_kind,
+                                                          std::uint16_t* __restrict copy,
+                                                          int copy_kind, std::size_t n) {
+  kernel_body(s, p, m, v, grads, grad_kind, copy, copy_kind, n);
+}
+
+__attribute__((flatten)) void kernel_baseline(const Scalars& s, float* __restrict p,
+                                              float* __restrict m, float* __restrict v,
+                                              const void* __restrict grads, int grad_kind,
+                                              std::uint16_t* __restrict copy, int copy_kind,
+                                              std::size_t n) {
+  kernel_body(s, p, m, v, grads, grad_kind, copy, copy_kind, n);
+}
+
+Kernel kernel_for(AdamIsa isa) {
+  switch (isa) {
+    case AdamIsa::avx512f:
+      return kernel_avx512f;
+    case AdamIsa::avx2:
+      return kernel_avx2;
+    case AdamIsa::baseline:
+      break;
+  }
+  return kernel_baseline;
 }
 
 // Note [f16 through F16C]: f16 gradients and copies convert 8 at a time with the F16C
@@ -191,8 +245,8 @@ bool has_f16c() {
 }
 
 // One chunk with f16 gradients and/or an f16 copy, through F16C a block at a time.
-void f16_chunk(const Scalars& s, float* p, float* m, float* v, const void* grads, int gk,
-               std::uint16_t* copy, int ck, std::size_t n) {
+void f16_chunk(Kernel kernel, const Scalars& s, float* p, float* m, float* v, const void* grads,
+               int gk, std::uint16_t* copy, int ck, std::size_t n) {
   constexpr std::size_t kBlock = 1024;
   alignas(64) float g[kBlock];
   for (std::size_t b = 0; b < n; b += kBlock) {
@@ -240,23 +294,29 @@ std::size_t grad_bytes(DType d) {
 }  // namespace
 
 void adam_step(const AdamConfig& config, const AdamArgs& a) {
+  adam_step(config, a, adam_native_variant());
+}
+
+void adam_step(const AdamConfig& config, const AdamArgs& a, AdamVariant variant) {
   check(a);
+  if (!adam_supports(variant))
+    STRATA_FAIL(Errc::unsupported, "adam: this CPU cannot run the ", isa_name(variant.isa),
+                variant.f16 == F16Path::f16c ? " variant with F16C" : " variant");
   const Scalars s = scalars(config, a.step);
   const int gk = grad_kind(a.grad_dtype), ck = copy_kind(a);
-  constexpr std::size_t kChunk = 1 << 16;  // 256 KiB of each fp32 state: cache-friendly tasks
+  const Kernel kernel = kernel_for(variant.isa);
+  const bool f16_blocks = (gk == 2 || ck == 2) && variant.f16 == F16Path::f16c;
   tbb::parallel_for(
-      tbb::blocked_range<std::size_t>(0, a.count, kChunk),
+      tbb::blocked_range<std::size_t>(0, a.count, kAdamChunkElements),
       [&](const tbb::blocked_range<std::size_t>& r) {
         const std::size_t b = r.begin(), n = r.size();
-        if ((gk == 2 || ck == 2) && has_f16c()) {
-          f16_chunk(s, a.params + b, a.exp_avg + b, a.exp_avg_sq + b,
-                    static_cast<const std::byte*>(a.grads) + b * grad_bytes(a.grad_dtype), gk,
-                    ck == 0 ? nullptr : static_cast<std::uint16_t*>(a.param_copy) + b, ck, n);
-          return;
-        }
-        kernel(s, a.params + b, a.exp_avg + b, a.exp_avg_sq + b,
-               static_cast<const std::byte*>(a.grads) + b * grad_bytes(a.grad_dtype), gk,
-               ck == 0 ? nullptr : static_cast<std::uint16_t*>(a.param_copy) + b, ck, n);
+        const void* grads = static_cast<const std::byte*>(a.grads) + b * grad_bytes(a.grad_dtype);
+        std::uint16_t* copy = ck == 0 ? nullptr : static_cast<std::uint16_t*>(a.param_copy) + b;
+        if (f16_blocks)
+          f16_chunk(kernel, s, a.params + b, a.exp_avg + b, a.exp_avg_sq + b, grads, gk, copy, ck,
+                    n);
+        else
+          kernel(s, a.params + b, a.exp_avg + b, a.exp_avg_sq + b, grads, gk, copy, ck, n);
       });
 }
 
@@ -274,10 +334,36 @@ void adam_step_reference(const AdamConfig& config, const AdamArgs& a) {
   }
 }
 
+AdamVariant adam_native_variant() noexcept {
+  AdamVariant v;
+  v.isa = __builtin_cpu_supports("avx512f") ? AdamIsa::avx512f
+          : __builtin_cpu_supports("avx2")  ? AdamIsa::avx2
+                                            : AdamIsa::baseline;
+  v.f16 = has_f16c() ? F16Path::f16c : F16Path::in_loop;
+  return v;
+}
+
+bool adam_supports(AdamVariant variant) noexcept {
+  const bool isa = variant.isa == AdamIsa::baseline ||
+                   (variant.isa == AdamIsa::avx2 && __builtin_cpu_supports("avx2")) ||
+                   (variant.isa == AdamIsa::avx512f && __builtin_cpu_supports("avx512f"));
+  return isa && (variant.f16 == F16Path::in_loop || has_f16c());
+}
+
+std::string_view isa_name(AdamIsa isa) noexcept {
+  switch (isa) {
+    case AdamIsa::avx512f:
+      return "avx512f";
+    case AdamIsa::avx2:
+      return "avx2";
+    case AdamIsa::baseline:
+      break;
+  }
+  return "baseline";
+}
+
 std::string_view adam_isa() noexcept {
-  if (__builtin_cpu_supports("avx512f")) return "avx512f";
-  if (__builtin_cpu_supports("avx2")) return "avx2";
-  return "default";
+  return isa_name(adam_native_variant().isa);
 }
 
 }  // namespace strata::optim

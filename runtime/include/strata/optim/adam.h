@@ -12,12 +12,15 @@
 
 namespace strata::optim {
 
+/// Hyperparameters in double, as a Python script gives them to torch.optim: the step's constants
+/// (1 - beta1, 1 - beta2, the bias corrections, the step size, 1 - lr * weight_decay) are
+/// computed from them in double and rounded to fp32 once (Note [Adam step constants]).
 struct AdamConfig {
-  float lr = 1e-3f;
-  float beta1 = 0.9f;
-  float beta2 = 0.999f;
-  float eps = 1e-8f;
-  float weight_decay = 0.0f;
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
   /// false: Adam (weight decay added to the gradient, torch.optim.Adam);
   /// true: AdamW (decoupled: p *= 1 - lr * weight_decay, torch.optim.AdamW).
   bool decoupled_weight_decay = false;
@@ -38,12 +41,36 @@ struct AdamArgs {
   DType copy_dtype = DType::BF16;
 };
 
-/// Runs the step with all threads (oneTBB) and the widest vector unit the CPU has.
+/// Elements per oneTBB task (grain size of the blocked range): 256 KiB of each fp32 state.
+inline constexpr std::size_t kAdamChunkElements = std::size_t{1} << 16;
+
+/// The vector kernel's variants (Note [Adam kernel dispatch]): one loop compiled for AVX-512F,
+/// for AVX2, and for the x86-64 baseline (SSE2).
+enum class AdamIsa { avx512f, avx2, baseline };
+/// How f16 gradients and copies convert (Note [f16 through F16C]): with the F16C instructions a
+/// block at a time around the loop, or element by element inside it.
+enum class F16Path { f16c, in_loop };
+struct AdamVariant {
+  AdamIsa isa = AdamIsa::baseline;
+  F16Path f16 = F16Path::in_loop;
+};
+
+/// Runs the step with all threads (oneTBB) and the variant adam_native_variant() names.
 /// @throws strata::Error (invalid_argument) for null buffers, step 0 or unsupported dtypes.
 void adam_step(const AdamConfig& config, const AdamArgs& args);
-/// The plain scalar formula, element by element: the reference the tests compare against.
+/// The same with the variant forced: every variant computes the same bits (the tests check it).
+/// @throws strata::Error (unsupported) when this CPU cannot run `variant`.
+void adam_step(const AdamConfig& config, const AdamArgs& args, AdamVariant variant);
+/// The plain scalar formula, element by element, in the kernel's fp32 operations.
 void adam_step_reference(const AdamConfig& config, const AdamArgs& args);
-/// The instruction set the vector kernel runs with here ("avx512f", "avx2", "default").
+
+/// The widest variant this CPU runs: what adam_step(config, args) uses.
+AdamVariant adam_native_variant() noexcept;
+/// Whether this CPU can run `variant`.
+bool adam_supports(AdamVariant variant) noexcept;
+/// "avx512f", "avx2" or "baseline".
+std::string_view isa_name(AdamIsa isa) noexcept;
+/// isa_name(adam_native_variant().isa).
 std::string_view adam_isa() noexcept;
 
 /// Conversions used for gradients and param copies (round to nearest even).
