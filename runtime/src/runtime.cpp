@@ -51,6 +51,18 @@ std::size_t FarthestNextUsePolicy::choose(Tier, const std::vector<EvictionCandid
   return best;
 }
 
+// Note [One move into a copy]: a move starts only into a copy that is neither Loading nor
+// Evicting nor current already. A second move into a Loading copy races with the first: the
+// first's completion marks the copy Valid and hands out leases (LeaseFuture::get) while the
+// second is still writing the same bytes, and the second overwrites whatever a write lease put
+// there meanwhile (unseen by Note [Versions]: it records the newer version). A move into a
+// current copy rewrites bytes that leases may be using; one into an Evicting copy rewrites bytes
+// its write-back is reading, and evict_copy then frees the block under it. ensure() checks this
+// after its make_room; write_back() must too, because its make_room may wait with the lock
+// released (the host is full and its victims go to NVMe) while a lease or prefetch on the lower
+// tier starts, and lands, the same device -> host move. The ZeRO-Offload example did exactly
+// that: Adam read a gradient's host lease while the d2h stream rewrote it.
+
 // ---------------------------------------------------------------------------------------------
 // State
 
@@ -403,18 +415,34 @@ struct Runtime::Impl {
 
   // Writes t's newest copy on `tier` to the tier below (Host, or Nvme when the host is full).
   void write_back(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier) {
-    Tier target = *below(tier);
-    if (target == Tier::Host && swap) {
-      // Prefer keeping a host copy; go straight to NVMe when the host cannot take it.
-      try {
-        make_room(lock, t, Tier::Host);
-      } catch (const OutOfMemoryError&) {
-        target = Tier::Nvme;
+    Tier target;
+    for (;;) {
+      target = *below(tier);
+      if (target == Tier::Host && swap) {
+        // Prefer keeping a host copy; go straight to NVMe when the host cannot take it.
+        try {
+          make_room(lock, t, Tier::Host);
+        } catch (const OutOfMemoryError&) {
+          target = Tier::Nvme;
+        }
       }
+      Copy& dst = t.copies[idx(target)];
+      if (target == Tier::Nvme && dst.mapped) free_space(t, Tier::Nvme);  // never write a model
+      make_room(lock, t, target);
+      // Note [One move into a copy]: make_room may have waited with the lock released, and a
+      // lease or prefetch may meanwhile have started (or finished) this very move into `dst`.
+      if (dst.state == CopyState::Loading || dst.state == CopyState::Evicting) {
+        changed.wait(lock);
+        continue;
+      }
+      if (!dirty(t, tier)) {  // that move landed (or a write lease below made this one stale)
+        if (dst.state == CopyState::Absent && dst.leases == 0 && dst.pins == 0)
+          free_space(t, target);  // the room made for it
+        return;
+      }
+      break;
     }
     Copy& dst = t.copies[idx(target)];
-    if (target == Tier::Nvme && dst.mapped) free_space(t, Tier::Nvme);  // never write a model
-    make_room(lock, t, target);
     start_load(lock, t, target, tier);
     run_after_unlock(lock);
     changed.wait(lock, [&] { return dst.state != CopyState::Loading; });
@@ -485,6 +513,10 @@ struct Runtime::Impl {
     (void)lock;
     Copy& d = t.copies[idx(dst)];
     Copy& s = t.copies[idx(src)];
+    if (d.state == CopyState::Loading || d.state == CopyState::Evicting || t.current(dst)) {
+      STRATA_FAIL(Errc::internal, "tensor \"", t.desc.name, "\": a move into its ", to_string(dst),
+                  " copy, which is current or has a move in flight (Note [One move into a copy])");
+    }
     ++s.pins;
     d.state = CopyState::Loading;
     d.version = t.version;

@@ -2,6 +2,8 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cstring>
+#include <future>
 #include <random>
 #include <thread>
 
@@ -64,6 +66,91 @@ TEST(RuntimeConcurrency, EightThreadsAcquireAndReleaseAtOnce) {
   for (int i = 0; i < kShared; ++i)
     EXPECT_EQ(contents(rt, shared[i]), shared_data[i]);
   EXPECT_EQ(rt.tier_stats(Tier::Device).leased_bytes, 0u);
+}
+
+// Makes a write-back on the thread that marks itself `held` wait inside make_room (as if its
+// victim were still landing), with the runtime's lock released, until another thread has made the
+// room; every other caller gets least-recently-used.
+class HoldWriteBack final : public EvictionPolicy {
+ public:
+  static thread_local bool held;
+  std::atomic<bool> holding{true};
+  std::atomic<bool> parked{false};
+
+  std::size_t choose(Tier tier, const std::vector<EvictionCandidate>& candidates) override {
+    if (held && holding.load()) {
+      parked.store(true);
+      parked.notify_all();
+      return candidates.size();  // not a candidate: make_room waits for a change
+    }
+    return lru_.choose(tier, candidates);
+  }
+
+ private:
+  LruPolicy lru_;
+};
+thread_local bool HoldWriteBack::held = false;
+
+// A write-back (device -> host) that waits for room on the host while a lease on the host starts
+// the same device -> host move must join that move, not start a second one into the host copy:
+// the second copy would land in bytes the lease already reads or writes (what ThreadSanitizer
+// saw in the ZeRO-Offload example: Adam reading a gradient while the d2h stream rewrote it).
+TEST(RuntimeConcurrency, AWriteBackJoinsTheMoveAlreadyLandingInItsTarget) {
+  TempDir dir;
+  Budgets b;
+  b.device = 512 * KiB;
+  b.host = 1 * MiB;  // 4 x 64 KiB staging: the host tier holds three 256 KiB copies
+  Runtime rt(small_options(dir.path(), b));
+  constexpr std::size_t kBytes = 256 * KiB;
+  for (int i = 0; i < 3; ++i) {  // fill the host tier with clean copies (NVMe holds them too)
+    const auto data = pattern(kBytes, 10 + i);
+    const TensorId z =
+        rt.create_tensor(desc("z" + std::to_string(i), kBytes), Tier::Nvme, data.data());
+    rt.prefetch(z, Tier::Host);
+  }
+  rt.synchronize();
+  ASSERT_EQ(rt.tier_stats(Tier::Host).used_bytes, rt.tier_stats(Tier::Host).capacity_bytes);
+  const auto before = pattern(kBytes, 1), after = pattern(kBytes, 2);
+  const TensorId g = rt.create_tensor(desc("grad", kBytes, TensorKind::Grad), Tier::Device,
+                                      before.data());  // its only copy: dirty on the device
+  const std::uint64_t host_moves = rt.tier_stats(Tier::Host).moves;
+  auto policy = std::make_shared<HoldWriteBack>();
+  rt.set_eviction_policy(policy);
+
+  // The write-back thread: evict(g, Device) writes g back to the host, whose make_room waits.
+  std::future<bool> evicted = std::async(std::launch::async, [&] {
+    HoldWriteBack::held = true;
+    return rt.evict(g, Tier::Device);
+  });
+  policy->parked.wait(false);
+  // The d2h stream is held while the lease's move is queued, so that the write-back resumes
+  // while that move is still landing (as in the example, where the link was busy).
+  std::promise<void> open;
+  std::shared_future<void> gate = open.get_future().share();
+  rt.backend().d2h_stream().launch_host_func([gate] { gate.wait(); });
+  bool opened = false;
+  const auto open_gate = [&] {
+    if (!std::exchange(opened, true)) open.set_value();
+  };
+  try {
+    LeaseFuture future = rt.acquire(g, Tier::Host, Access::ReadWrite);  // makes room, moves g
+    policy->holding.store(false);
+    open_gate();
+    Lease lease = future.get();
+    EXPECT_EQ(leased_bytes(lease), before);
+    std::memcpy(lease.data(), after.data(), kBytes);
+  } catch (...) {
+    open_gate();
+    throw;
+  }
+  EXPECT_TRUE(evicted.get());  // it was dirty: its bytes went down (with the lease's move)
+  rt.synchronize();
+  EXPECT_FALSE(rt.resident(g, Tier::Device));
+  EXPECT_EQ(contents(rt, g), after);  // a second move would have put `before` back
+  // Exactly one move into the host copy: the device's bytes crossed the link once.
+  EXPECT_EQ(rt.tier_stats(Tier::Host).moves, host_moves + 1);
+  EXPECT_EQ(rt.transfer_stats().bytes_device_to_host, kBytes);
+  rt.set_eviction_policy(std::make_shared<LruPolicy>());
 }
 
 }  // namespace
