@@ -1389,6 +1389,8 @@ std::string Runtime::stats_json() const {
            {"device", impl_->backend->info().name},
            {"tensors", tensors().size()},
            {"tiers", tiers},
+           {"pinned_bytes", impl_->slab.size()},
+           {"pinned_huge_page_bytes", huge_page_bytes(impl_->slab.data(), impl_->slab.size())},
            {"transfers",
             [&] {
               const TransferStats x = transfer_stats();

@@ -409,6 +409,10 @@ TEST_F(RuntimeTest, StatsAndTraceExport) {
   EXPECT_EQ(stats["backend"], "host");
   EXPECT_EQ(stats["tiers"]["Device"]["misses"], 1);
   EXPECT_EQ(stats["tiers"]["Device"]["bytes_in"], 128 * KiB);
+  // The pinned slab and how much of it the kernel backs with huge pages (Note [Huge pages]).
+  EXPECT_EQ(stats["pinned_bytes"].get<std::uint64_t>(), rt->options().host_budget_bytes);
+  EXPECT_LE(stats["pinned_huge_page_bytes"].get<std::uint64_t>(),
+            stats["pinned_bytes"].get<std::uint64_t>());
   EXPECT_GE(stats["io"]["bytes_read"].get<std::uint64_t>(), 128 * KiB);
   const auto trace = nlohmann::json::parse(rt->telemetry().chrome_trace_json());
   bool h2d = false, nvme = false, counter = false;
