@@ -184,10 +184,21 @@ void* map_pages(std::size_t bytes, const char* tier, bool reserve_only, HugePage
   const std::size_t length = mapped_bytes(bytes);
   int flags = MAP_PRIVATE | MAP_ANONYMOUS;
   if (reserve_only) flags |= MAP_NORESERVE;
-  if (bytes < kHugePageBytes || reserve_only) {
+  if (bytes < kHugePageBytes) {
     if (used != nullptr) *used = HugePages::Off;
-    return bytes < kHugePageBytes ? checked_mmap(length, flags, tier, bytes)
-                                  : map_aligned(length, flags, tier, bytes);
+    return checked_mmap(length, flags, tier, bytes);
+  }
+  if (reserve_only) {
+    // A lazily touched arena (the host backend's device tier, where NVMe reads may land
+    // directly): no pages can be reserved up front, so hugetlb is out, but transparent huge
+    // pages come with the first touch of each 2 MiB. Where THP is unusable it stays on 4 KiB
+    // pages silently: the pinned slab's warning already says so.
+    void* data = map_aligned(length, flags, tier, bytes);
+    const bool thp = huge != HugePages::Off && thp_usable(thp_enabled_text()) &&
+                     ::madvise(data, length, MADV_HUGEPAGE) == 0;
+    if (!thp) ::madvise(data, length, MADV_NOHUGEPAGE);
+    if (used != nullptr) *used = thp ? HugePages::Transparent : HugePages::Off;
+    return data;
   }
 
   const std::size_t hugetlb_free =

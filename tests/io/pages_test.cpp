@@ -111,6 +111,31 @@ TEST(Pages, TouchedTransparentBufferIsBackedByHugePages) {
   EXPECT_EQ(huge % kHugePageBytes, 0u);
 }
 
+TEST(Pages, ALazilyTouchedArenaTakesTransparentHugePagesWhereTouched) {
+  if (!thp_usable()) {
+    GTEST_SKIP() << "transparent huge pages are not madvise or always here: " << thp_enabled();
+  }
+  // The host backend's device arena: reserved, touched only where tensors land (direct NVMe
+  // reads included), so it must not need every page at once.
+  const std::size_t bytes = 64 * MiB;
+  HugePages used = HugePages::Off;
+  auto* arena = static_cast<std::byte*>(
+      map_pages(bytes, "Device", /*reserve_only=*/true, HugePages::Transparent, &used));
+  EXPECT_EQ(used, HugePages::Transparent);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(arena) % kHugePageBytes, 0u);
+  EXPECT_EQ(huge_page_bytes(arena, bytes), 0u);  // nothing touched yet
+  fill_pattern(arena + 8 * MiB, 4 * MiB, 7);     // two 2 MiB pages' worth
+  const std::size_t huge = huge_page_bytes(arena, bytes);
+  EXPECT_GT(huge, 0u);
+  EXPECT_LE(huge, 4 * MiB);  // only where touched
+  void* off = map_pages(bytes, "Device", /*reserve_only=*/true, HugePages::Off, &used);
+  EXPECT_EQ(used, HugePages::Off);
+  fill_pattern(static_cast<std::byte*>(off), 4 * MiB, 7);
+  EXPECT_EQ(huge_page_bytes(off, bytes), 0u);
+  unmap_pages(off, bytes);
+  unmap_pages(arena, bytes);
+}
+
 TEST(Pages, OffGivesFourKiBPagesWithoutWarningAndKeepsBytes) {
   detail::reset_huge_page_warning();
   ::testing::internal::CaptureStderr();

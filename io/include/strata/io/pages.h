@@ -58,8 +58,9 @@ constexpr std::size_t mapped_bytes(std::size_t bytes) noexcept {
 
 /// Maps `bytes` of zeroed memory, 4 KiB aligned, and 2 MiB aligned from kHugePageBytes on, backed
 /// as `huge` asks (Note [Huge pages]); `*used`, if given, receives the policy in effect (Off for a
-/// small or reserve_only mapping). `reserve_only` maps with MAP_NORESERVE for an arena that is
-/// touched lazily. Throws OutOfMemoryError naming `tier` when the kernel refuses the memory.
+/// small mapping). `reserve_only` maps with MAP_NORESERVE for an arena that is touched lazily:
+/// it takes transparent huge pages (never hugetlb) as it is touched, when THP is usable. Throws
+/// OutOfMemoryError naming `tier` when the kernel refuses the memory.
 void* map_pages(std::size_t bytes, const char* tier, bool reserve_only = false,
                 HugePages huge = default_huge_pages(), HugePages* used = nullptr);
 /// Unmaps what map_pages(`bytes`, ...) returned; null is ignored.
