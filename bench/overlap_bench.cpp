@@ -19,13 +19,11 @@
 #include "strata/io/units.h"
 #include "strata/runtime/runtime.h"
 #include "strata/runtime/svg_timeline.h"
+#include "strata/scheduler/overlap_metrics.h"
 #include "strata/scheduler/prefetch_pipeline.h"
 
 namespace strata::bench {
 namespace {
-
-// The design's tolerance for timing noise: a roofline above this is a measurement error.
-constexpr double kMaxRoofline = 1.02;
 
 struct Args {
   std::size_t layers = 32;
@@ -377,15 +375,7 @@ void run(Args args) {
   }
   if (own_dir) std::filesystem::remove_all(dir);
   if (!verified) throw Error(Errc::corrupt_data, "overlap: a layer's checksum did not match");
-  if (roofline > args.max_roofline) {
-    char why[512];
-    std::snprintf(why, sizeof why,
-                  "overlap: roofline %.3f is above %.2f: max(compute_s %.4f, transfer_s %.4f) / "
-                  "step_s %.4f. The step cannot be faster than its own bound, so these figures "
-                  "were not measured under the same conditions: a measurement error, not a result",
-                  roofline, args.max_roofline, compute_s, transfer_s, step_s);
-    throw Error(Errc::internal, why);
-  }
+  checked_roofline(compute_s, transfer_s, step_s, args.max_roofline);  // refuses, naming them
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include "strata/io/error.h"
 #include "strata/runtime/safetensors.h"
 #include "strata/runtime/tensor.h"
+#include "strata/scheduler/overlap_metrics.h"
 
 namespace strata::examples {
 
@@ -40,21 +41,10 @@ ModelSpec describe_model(const safetensors::Header& header, const std::string& p
 std::uint64_t generate_model(const std::string& path, int layers, int hidden, DType dtype,
                              std::uint64_t seed = 1);
 
-/// max(compute_s, transfer_s) / step_s above this is a measurement error (DESIGN, Metrics): all
-/// three are measured over the same passes from the same tier state, so neither half alone can
-/// take longer than the step that does both, beyond noise.
-inline constexpr double kMaxRoofline = 1.02;
-
-/// A roofline above the limit: the figures are refused, not reported.
-class RooflineError : public Error {
- public:
-  using Error::Error;
-};
-
-/// max(compute_s, transfer_s) / step_s (0 when step_s is 0). Throws RooflineError naming
-/// compute_s, transfer_s and step_s when it is above `limit`.
-double checked_roofline(double compute_s, double transfer_s, double step_s,
-                        double limit = kMaxRoofline);
+// The roofline guard (strata/scheduler/overlap_metrics.h), under the names callers use here.
+using strata::checked_roofline;
+using strata::kMaxRoofline;
+using strata::RooflineError;
 
 struct InferenceConfig {
   std::string model;
