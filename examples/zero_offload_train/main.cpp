@@ -7,11 +7,13 @@
 #include <cstdio>
 #include <exception>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "example_util.h"
 #include "strata/io/error.h"
 #include "strata/io/units.h"
 #include "trainer.h"
@@ -24,9 +26,7 @@ double median_of(const std::vector<StepPhases>& steps, double (*part)(const Step
   std::vector<double> v;
   for (const StepPhases& s : steps)
     v.push_back(part(s));
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+  return strata::examples::median(std::move(v));
 }
 
 // Every part of the step's bound (Note [Step bound]): medians over the training steps, the same
