@@ -20,6 +20,7 @@
 #include <CLI/CLI.hpp>
 
 #include "bench_common.h"
+#include "strata/io/device_limits.h"
 #include "strata/io/error.h"
 #include "strata/io/io_engine.h"
 #include "strata/io/pages.h"
@@ -162,7 +163,8 @@ void run(const Args& args) {
   // What the buffers really got (Note [Huge pages]): on a disk with a low segment limit, 4 KiB
   // pages split each request and cap the bandwidth measured here.
   const std::size_t buffer_huge_bytes = huge_page_bytes(slab.data(), slab.size());
-  engine->register_buffer(slab.data(), slab.size());
+  const std::size_t run_bytes = contiguous_run_bytes(slab.data(), slab.size());
+  engine->register_buffer(slab.data(), slab.size(), run_bytes);
 
   // Runs `count` requests of `op`, the i-th on target(i) = {file, offset}, `slots` in flight.
   const bool progress = !args.json && stderr_is_terminal();

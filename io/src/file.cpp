@@ -12,6 +12,13 @@
 
 namespace strata {
 
+const DeviceLimits File::kUnknownDevice{};
+
+void File::find_device() noexcept {
+  struct stat st {};
+  if (::fstat(fd_, &st) == 0) device_ = &device_limits(st.st_dev);
+}
+
 File::File(std::string path, Mode mode, bool direct) : path_(std::move(path)) {
   int flags = O_CLOEXEC;
   switch (mode) {
@@ -29,6 +36,7 @@ File::File(std::string path, Mode mode, bool direct) : path_(std::move(path)) {
     fd_ = ::open(path_.c_str(), flags | O_DIRECT, 0644);
     if (fd_ >= 0) {
       direct_ = true;
+      find_device();
       return;
     }
     if (errno != EINVAL) throw IoError(Errc::io_error, path_, 0, 0, errno, "open");
@@ -42,6 +50,7 @@ File::File(std::string path, Mode mode, bool direct) : path_(std::move(path)) {
   }
   fd_ = ::open(path_.c_str(), flags, 0644);
   if (fd_ < 0) throw IoError(Errc::io_error, path_, 0, 0, errno, "open");
+  find_device();
 }
 
 File& File::operator=(File&& other) noexcept {
@@ -50,6 +59,7 @@ File& File::operator=(File&& other) noexcept {
     path_ = std::move(other.path_);
     fd_ = std::exchange(other.fd_, -1);
     direct_ = other.direct_;
+    device_ = other.device_;
   }
   return *this;
 }

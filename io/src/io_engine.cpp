@@ -4,6 +4,7 @@
 #include <charconv>
 #include <cstdio>
 #include <mutex>
+#include <vector>
 
 #include "callback_future.h"
 #include "engines.h"
@@ -105,6 +106,25 @@ void IoEngine::submit(const IoRequest& request, IoCallback done) {
     return;
   }
   do_submit(std::move(pending));
+}
+
+void IoEngine::register_buffer(void* data, std::size_t bytes, std::size_t run_bytes, bool fixed) {
+  STRATA_EXPECTS(data != nullptr && bytes > 0, "register_buffer: empty buffer");
+  const RegisteredBuffer buffer{data, bytes, run_bytes, fixed};
+  do_register_buffer(buffer);
+  std::lock_guard lock(registered_mutex_);
+  registered_.push_back(buffer);
+}
+
+void IoEngine::unregister_buffer(void* data) {
+  do_unregister_buffer(data);
+  std::lock_guard lock(registered_mutex_);
+  std::erase_if(registered_, [data](const RegisteredBuffer& b) { return b.data == data; });
+}
+
+std::vector<IoEngine::RegisteredBuffer> IoEngine::registered_buffers() const {
+  std::lock_guard lock(registered_mutex_);
+  return registered_;
 }
 
 std::future<void> IoEngine::submit(const IoRequest& request) {

@@ -34,8 +34,6 @@ class PosixEngine final : public IoEngine {
       w.join();
   }
 
-  void register_buffer(void*, std::size_t) override {}
-  void unregister_buffer(void*) override {}
   void register_file(const File&) override {}
   void unregister_file(const File&) override {}
 
@@ -51,6 +49,24 @@ class PosixEngine final : public IoEngine {
       queue_.push_back(pending.release());
     }
     wake_.notify_all();
+  }
+  // Only to size chunks (Note [Request sizes]): pread has no fixed buffers.
+  void do_register_buffer(const RegisteredBuffer& b) override {
+    std::lock_guard lock(mutex_);
+    regions_.push_back(b);
+  }
+  void do_unregister_buffer(void* data) override {
+    std::lock_guard lock(mutex_);
+    std::erase_if(regions_, [data](const RegisteredBuffer& b) { return b.data == data; });
+  }
+  // The contiguous run of `p`'s buffer; under mutex_.
+  std::size_t run_bytes_of(const Pending& p) const noexcept {
+    const auto* begin = static_cast<const std::byte*>(p.request.buffer);
+    for (const RegisteredBuffer& b : regions_) {
+      const auto* base = static_cast<const std::byte*>(b.data);
+      if (begin >= base && begin + p.request.bytes <= base + b.bytes) return b.run_bytes;
+    }
+    return kPageBytes;
   }
 
   // One chunk: transfers it completely (resubmitting short, EINTR and EAGAIN results) or fails.
@@ -75,14 +91,14 @@ class PosixEngine final : public IoEngine {
   }
 
   void work() {
-    const std::size_t block = options().block_size;
     std::unique_lock lock(mutex_);
     for (;;) {
       wake_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
       if (queue_.empty()) return;
       Pending* p = queue_.front();
       const std::uint64_t start = p->issued;
-      const std::size_t len = std::min<std::uint64_t>(block, p->request.bytes - start);
+      if (p->chunk == 0) p->chunk = chunk_bytes(p->request, run_bytes_of(*p));
+      const std::size_t len = std::min<std::uint64_t>(p->chunk, p->request.bytes - start);
       p->issued += len;
       ++p->in_flight;
       if (p->issued == p->request.bytes) queue_.pop_front();
@@ -115,6 +131,7 @@ class PosixEngine final : public IoEngine {
   std::mutex mutex_;
   std::condition_variable wake_;
   std::deque<Pending*> queue_;
+  std::vector<RegisteredBuffer> regions_;
   bool stopping_ = false;
   std::vector<std::thread> workers_;
 };

@@ -98,17 +98,11 @@ class UringEngine final : public IoEngine {
     ::close(wake_fd_);
   }
 
-  void register_buffer(void* data, std::size_t bytes) override {
-    control({Control::Kind::RegisterBuffer, static_cast<std::byte*>(data), bytes, -1, {}});
-  }
-  void unregister_buffer(void* data) override {
-    control({Control::Kind::UnregisterBuffer, static_cast<std::byte*>(data), 0, -1, {}});
-  }
   void register_file(const File& file) override {
-    control({Control::Kind::RegisterFile, nullptr, 0, file.fd(), {}});
+    control({Control::Kind::RegisterFile, nullptr, 0, 0, false, file.fd(), {}});
   }
   void unregister_file(const File& file) override {
-    control({Control::Kind::UnregisterFile, nullptr, 0, file.fd(), {}});
+    control({Control::Kind::UnregisterFile, nullptr, 0, 0, false, file.fd(), {}});
   }
 
   std::string describe() const override {
@@ -124,6 +118,8 @@ class UringEngine final : public IoEngine {
     Kind kind;
     std::byte* data;
     std::size_t bytes;
+    std::size_t run_bytes;
+    bool fixed;
     int fd;
     std::promise<void> done;
   };
@@ -136,8 +132,9 @@ class UringEngine final : public IoEngine {
   struct BufferRegion {
     std::byte* base;
     std::size_t bytes;
+    std::size_t run_bytes;
     unsigned first_index;
-    unsigned count;
+    unsigned count;  // fixed buffers; 0 when it got none (table full, or fixed buffers off)
   };
 
   void wake() noexcept {
@@ -151,6 +148,18 @@ class UringEngine final : public IoEngine {
       incoming_.push_back(pending.release());
     }
     wake();
+  }
+  void do_register_buffer(const RegisteredBuffer& b) override {
+    control({Control::Kind::RegisterBuffer,
+             static_cast<std::byte*>(const_cast<void*>(b.data)),
+             b.bytes,
+             b.run_bytes,
+             b.fixed,
+             -1,
+             {}});
+  }
+  void do_unregister_buffer(void* data) override {
+    control({Control::Kind::UnregisterBuffer, static_cast<std::byte*>(data), 0, 0, false, -1, {}});
   }
 
   void control(Control c) {
@@ -227,11 +236,16 @@ class UringEngine final : public IoEngine {
   void apply(Control& c) {
     switch (c.kind) {
       case Control::Kind::RegisterBuffer: {
-        if (!fixed_buffers_) return;  // plain reads and writes still work
+        // Without fixed buffers (off, or the table full) plain reads and writes still work; the
+        // region still sizes its chunks.
+        BufferRegion region{c.data, c.bytes, c.run_bytes, 0, 0};
         const unsigned count =
             static_cast<unsigned>((c.bytes + kMaxIovecBytes - 1) / kMaxIovecBytes);
-        const unsigned first = find_free_run(buffer_used_, count);
-        if (first == ~0u) return;  // table full: this buffer goes without fixed ops
+        const unsigned first = fixed_buffers_ && c.fixed ? find_free_run(buffer_used_, count) : ~0u;
+        if (first == ~0u) {
+          regions_.push_back(region);
+          return;
+        }
         std::vector<iovec> iovs(count);
         for (unsigned i = 0; i < count; ++i) {
           iovs[i].iov_base = c.data + i * kMaxIovecBytes;
@@ -248,15 +262,18 @@ class UringEngine final : public IoEngine {
         }
         for (unsigned i = 0; i < count; ++i)
           buffer_used_[first + i] = true;
-        regions_.push_back({c.data, c.bytes, first, count});
+        region.first_index = first;
+        region.count = count;
+        regions_.push_back(region);
         return;
       }
       case Control::Kind::UnregisterBuffer: {
         for (auto it = regions_.begin(); it != regions_.end(); ++it) {
           if (it->base != c.data) continue;
           std::vector<iovec> empty(it->count, iovec{nullptr, 0});
-          io_uring_register_buffers_update_tag(&ring_, it->first_index, empty.data(), nullptr,
-                                               it->count);
+          if (it->count != 0)
+            io_uring_register_buffers_update_tag(&ring_, it->first_index, empty.data(), nullptr,
+                                                 it->count);
           for (unsigned i = 0; i < it->count; ++i)
             buffer_used_[it->first_index + i] = false;
           regions_.erase(it);
@@ -311,9 +328,15 @@ class UringEngine final : public IoEngine {
     wake_armed_ = true;
   }
 
+  const BufferRegion* region_of(const std::byte* buffer, std::size_t bytes) const noexcept {
+    for (const BufferRegion& r : regions_)
+      if (buffer >= r.base && buffer + bytes <= r.base + r.bytes) return &r;
+    return nullptr;
+  }
+
   int fixed_index(const std::byte* buffer, std::size_t bytes) const noexcept {
     for (const BufferRegion& r : regions_) {
-      if (buffer < r.base || buffer + bytes > r.base + r.bytes) continue;
+      if (buffer < r.base || buffer + bytes > r.base + r.bytes || r.count == 0) continue;
       const std::size_t at = static_cast<std::size_t>(buffer - r.base);
       const std::size_t iov = at / kMaxIovecBytes;
       if ((at + bytes - 1) / kMaxIovecBytes != iov) return -1;  // crosses an iovec boundary
@@ -355,7 +378,6 @@ class UringEngine final : public IoEngine {
     for (unsigned index : retry_)
       prep(index, /*resubmission=*/true);
     retry_.clear();
-    const std::size_t block = options().block_size;
     while (!queue_.empty()) {
       Pending* p = queue_.front();
       if (p->error) {  // a failed request issues nothing more
@@ -367,7 +389,12 @@ class UringEngine final : public IoEngine {
       if (free_slots_.empty()) break;
       const unsigned index = free_slots_.back();
       free_slots_.pop_back();
-      const std::size_t len = std::min<std::uint64_t>(block, p->request.bytes - p->issued);
+      if (p->chunk == 0) {
+        const BufferRegion* region =
+            region_of(static_cast<const std::byte*>(p->request.buffer), p->request.bytes);
+        p->chunk = chunk_bytes(p->request, region != nullptr ? region->run_bytes : kPageBytes);
+      }
+      const std::size_t len = std::min<std::uint64_t>(p->chunk, p->request.bytes - p->issued);
       slots_[index] = {p, p->request.offset + p->issued,
                        static_cast<std::byte*>(p->request.buffer) + p->issued, len};
       p->issued += len;

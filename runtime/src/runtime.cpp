@@ -22,6 +22,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "strata/io/device_limits.h"
 #include "strata/io/error.h"
 #include "strata/io/pages.h"
 #include "strata/io/units.h"
@@ -145,7 +146,12 @@ struct Runtime::Impl {
     if (!options.nvme.paths.empty()) {
       options.io.quiet = options.io.quiet || options.quiet;
       io = make_io_engine(options.io);
-      io->register_buffer(slab.data(), slab.size());
+      io->register_buffer(slab.data(), slab.size(), contiguous_run_bytes(slab.data(), slab.size()));
+      // Note [Direct NVMe to device]: reads may land in a host-addressable device's memory;
+      // registered only to size their chunks (a lazily touched arena is not pinned).
+      if (backend->info().host_addressable)
+        io->register_buffer(backend->device_pool().base(), backend->info().budget_bytes,
+                            backend->info().host_run_bytes, /*fixed=*/false);
       options.nvme.checksums = options.checksums;
       options.nvme.direct = options.io.direct;
       swap = std::make_unique<SwapSpace>(options.nvme, *io);
@@ -174,7 +180,10 @@ struct Runtime::Impl {
     }
     tensors.clear();
     swap.reset();
-    if (io) io->unregister_buffer(slab.data());
+    if (io) {
+      io->unregister_buffer(slab.data());
+      if (backend->info().host_addressable) io->unregister_buffer(backend->device_pool().base());
+    }
   }
 
   // ---- helpers (lock held) ----

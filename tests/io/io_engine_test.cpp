@@ -222,6 +222,68 @@ TYPED_TEST(IoEngineTest, MisalignedODirectRequestsAreRejectedUpFront) {
   EXPECT_EQ(engine->stats().requests, 0u);
 }
 
+// Note [Request sizes]: a request is cut where the device would otherwise split it, and the
+// registered buffers say how contiguous their memory is. The expected chunks come from the
+// queue limits read here (dev) with the rule written out again, not from DeviceLimits.
+TYPED_TEST(IoEngineTest, ChunksAreSizedSoTheDeviceTakesEachWhole) {
+  IoOptions options;
+  options.block_size = 8 * MiB;
+  auto engine = this->make(options);
+  File file(this->dir_.file("chunks.bin"), File::Mode::Create, true);
+  const DeviceLimits& dev = file.device();
+  if (!dev.known()) GTEST_SKIP() << this->dir_.path() << " is on no block device (tmpfs/overlay?)";
+  const std::size_t request = 8 * MiB;
+  auto whole = [&](std::size_t run, unsigned lost) {
+    std::size_t segment = run;
+    if (dev.max_segment_bytes != 0 && dev.max_segment_bytes < segment)
+      segment = dev.max_segment_bytes;
+    std::size_t bytes =
+        std::min<std::size_t>(dev.max_request_bytes, (dev.max_segments - lost) * segment);
+    std::size_t pow2 = kPageBytes;
+    while (pow2 * 2 <= bytes)
+      pow2 *= 2;
+    return std::min(pow2, request);
+  };
+
+  // 4 KiB pages, not registered: one segment a page.
+  PageBuffer small_pages(request, /*lock=*/true, "test", HugePages::Off);
+  fill_pattern(small_pages.data(), request, 21);
+  engine->run({IoOp::Write, &file, 0, request, small_pages.data()});
+  const std::size_t small_chunk = whole(kPageBytes, 0);
+  EXPECT_LE(small_chunk, dev.max_segments * kPageBytes);
+  EXPECT_EQ(engine->stats().operations, request / small_chunk);
+
+  // Registered as 2 MiB runs: one segment a huge page, one more for a chunk starting inside one.
+  PageBuffer huge(request, /*lock=*/true, "test", HugePages::Transparent);
+  engine->register_buffer(huge.data(), huge.size(), kHugePageBytes);
+  ASSERT_EQ(engine->registered_buffers().size(), 1u);
+  EXPECT_EQ(engine->registered_buffers()[0].run_bytes, kHugePageBytes);
+  const std::uint64_t before = engine->stats().operations;
+  engine->run({IoOp::Read, &file, 0, request, huge.data()});
+  const std::size_t huge_chunk = whole(kHugePageBytes, 1);
+  EXPECT_LE(huge_chunk, dev.max_request_bytes);
+  EXPECT_EQ(engine->stats().operations - before, request / huge_chunk);
+  EXPECT_EQ(std::memcmp(huge.data(), small_pages.data(), request), 0);
+  engine->unregister_buffer(huge.data());
+  EXPECT_TRUE(engine->registered_buffers().empty());
+}
+
+// A buffer registered only to size its chunks (a lazily touched arena) gets no fixed buffers,
+// and its data still arrives.
+TYPED_TEST(IoEngineTest, ABufferRegisteredWithoutFixedOpsStillCarriesData) {
+  auto engine = this->make();
+  File file(this->dir_.file("nofixed.bin"), File::Mode::Create, true);
+  PageBuffer a(2 * MiB), b(2 * MiB);
+  fill_pattern(a.data(), a.size(), 5);
+  engine->register_buffer(b.data(), b.size(), kHugePageBytes, /*fixed=*/false);
+  engine->run({IoOp::Write, &file, 0, a.size(), a.data()});
+  engine->run({IoOp::Read, &file, 0, b.size(), b.data()});
+  EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size()), 0);
+  ASSERT_EQ(engine->registered_buffers().size(), 1u);
+  EXPECT_FALSE(engine->registered_buffers()[0].fixed);
+  engine->unregister_buffer(b.data());
+}
+
 TYPED_TEST(IoEngineTest, RegisteredBuffersAndFilesCarryData) {
   IoOptions options;
   options.block_size = 128 * KiB;

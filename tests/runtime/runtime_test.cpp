@@ -43,6 +43,39 @@ TEST_F(RuntimeTest, MovesATensorFromNvmeToDeviceAndBack) {
   EXPECT_EQ(contents(*rt, t), data);
 }
 
+// io_uring pins what is registered as fixed buffers: that must be the pinned slab and nothing
+// else (every staging slot and host copy lies in it). The host backend's device arena is
+// registered only to size the chunks of reads landing in it, never pinned.
+TEST_F(RuntimeTest, OnlyThePinnedSlabIsRegisteredAsFixedBuffers) {
+  auto rt = make();
+  ASSERT_NE(rt->io(), nullptr);
+  const auto data = pattern(300 * KiB, 3);
+  const TensorId t = rt->create_tensor(desc("w", data.size()), Tier::Nvme, data.data());
+  Lease host = rt->acquire(t, Tier::Host, Access::Read).get();
+  Lease device = rt->acquire(t, Tier::Device, Access::Read).get();
+  EXPECT_EQ(leased_bytes(host), data);
+  EXPECT_EQ(leased_bytes(device), data);
+
+  const auto registered = rt->io()->registered_buffers();
+  std::vector<IoEngine::RegisteredBuffer> fixed, sized;
+  for (const auto& b : registered)
+    (b.fixed ? fixed : sized).push_back(b);
+  ASSERT_EQ(fixed.size(), 1u);
+  EXPECT_EQ(fixed[0].bytes, rt->options().host_budget_bytes);
+  const auto* slab = static_cast<const std::byte*>(fixed[0].data);
+  const auto* h = static_cast<const std::byte*>(host.data());
+  EXPECT_TRUE(h >= slab && h + host.bytes() <= slab + fixed[0].bytes)
+      << "the host copy lies outside the registered slab";
+  ASSERT_EQ(sized.size(), 1u);
+  EXPECT_EQ(sized[0].data, rt->backend().device_pool().base());
+  EXPECT_EQ(sized[0].bytes, rt->backend().info().budget_bytes);
+  const auto* d = static_cast<const std::byte*>(device.data());
+  const auto* arena = static_cast<const std::byte*>(sized[0].data);
+  EXPECT_TRUE(d >= arena && d + device.bytes() <= arena + sized[0].bytes);
+  for (const auto& b : registered)
+    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(b.data) % kPageBytes, 0u) << "O_DIRECT alignment";
+}
+
 TEST_F(RuntimeTest, ByteCountsAreNamedAfterThePathTheBytesTook) {
   auto rt = make();
   const std::uint64_t bytes = 200 * KiB;

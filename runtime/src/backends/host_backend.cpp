@@ -213,7 +213,11 @@ class HostBackend final : public Backend {
  public:
   explicit HostBackend(const BackendOptions& options)
       : Backend(make_info(options)), links_(std::make_shared<Links>(options.link_gbps)) {
-    arena_ = map_pages(info_.budget_bytes, "Device", /*reserve_only=*/true);
+    HugePages used = HugePages::Off;
+    arena_ =
+        map_pages(info_.budget_bytes, "Device", /*reserve_only=*/true, default_huge_pages(), &used);
+    // Advised huge pages come with each 2 MiB's first touch, an O_DIRECT read's included.
+    info_.host_run_bytes = used == HugePages::Off ? kPageBytes : kHugePageBytes;
     start(arena_, info_.budget_bytes);
   }
 

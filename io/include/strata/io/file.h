@@ -1,9 +1,12 @@
-// File: an open file descriptor with the facts I/O needs (path, O_DIRECT or not). RAII.
+// File: an open file descriptor with the facts I/O needs (path, O_DIRECT or not, the block
+// device behind it). RAII.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <utility>
+
+#include "strata/io/device_limits.h"
 
 namespace strata {
 
@@ -21,7 +24,10 @@ class File {
   /// @throws IoError naming the path and errno (ENOENT, EACCES, EROFS, ...).
   File(std::string path, Mode mode, bool direct);
   File(File&& other) noexcept
-      : path_(std::move(other.path_)), fd_(std::exchange(other.fd_, -1)), direct_(other.direct_) {}
+      : path_(std::move(other.path_)),
+        fd_(std::exchange(other.fd_, -1)),
+        direct_(other.direct_),
+        device_(other.device_) {}
   File& operator=(File&& other) noexcept;
   File(const File&) = delete;
   File& operator=(const File&) = delete;
@@ -32,15 +38,23 @@ class File {
   /// True when opened with O_DIRECT: offsets, lengths and buffers must be 4 KiB aligned.
   [[nodiscard]] bool direct() const noexcept { return direct_; }
   [[nodiscard]] bool is_open() const noexcept { return fd_ >= 0; }
+  /// The request limits of the block device holding the file (Note [Request sizes]); unknown
+  /// (all 0) for a file on tmpfs, overlayfs or any filesystem without a block device.
+  [[nodiscard]] const DeviceLimits& device() const noexcept { return *device_; }
   [[nodiscard]] std::uint64_t size() const;
   /// Reserves [0, bytes) on disk (fallocate). @throws IoError, e.g. ENOSPC naming the path.
   void allocate(std::uint64_t bytes);
   void close() noexcept;
 
  private:
+  void find_device() noexcept;
+
   std::string path_;
   int fd_ = -1;
   bool direct_ = false;
+  const DeviceLimits* device_ = &kUnknownDevice;
+
+  static const DeviceLimits kUnknownDevice;
 };
 
 }  // namespace strata

@@ -9,10 +9,13 @@
 #include <functional>
 #include <future>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "strata/io/file.h"
 #include "strata/io/io_options.h"
+#include "strata/io/pages.h"
 
 namespace strata {
 
@@ -45,9 +48,10 @@ struct IoStats {
 
 /// Contract:
 /// - submit() returns at once; each request completes on its own (no all-or-nothing wait).
-/// - A request is split into `block_size` chunks; up to `queue_depth` chunks are in flight per
-///   ring (per worker pool for POSIX). Short transfers, -EAGAIN and -EINTR are resubmitted for
-///   the remainder. EOF inside a read is an error (the bytes are not there).
+/// - A request is split into chunks of `block_size`, or less where the file's device would split
+///   such a chunk from that buffer (Note [Request sizes]); up to `queue_depth` chunks are in
+///   flight per ring (per worker pool for POSIX). Short transfers, -EAGAIN and -EINTR are
+///   resubmitted for the remainder. EOF inside a read is an error (the bytes are not there).
 /// - A failure (EIO, ENOSPC, ...) fails that request only; the engine keeps serving others.
 /// - Thread-safe: any thread may submit. Destruction waits for every submitted request.
 class IoEngine {
@@ -67,11 +71,23 @@ class IoEngine {
   /// Reads or writes synchronously (submit + wait).
   void run(const IoRequest& request) { submit(request).get(); }
 
-  /// Registers [data, data + bytes) so requests whose buffer lies inside use fixed-buffer ops
-  /// (io_uring); split into iovecs of at most 1 GiB. A no-op on the POSIX engine. The memory
-  /// must stay mapped until unregister_buffer(data).
-  virtual void register_buffer(void* data, std::size_t bytes) = 0;
-  virtual void unregister_buffer(void* data) = 0;
+  /// A buffer registered with the engine, as registered_buffers() lists it.
+  struct RegisteredBuffer {
+    const void* data = nullptr;
+    std::size_t bytes = 0;
+    std::size_t run_bytes = kPageBytes;  ///< its physically contiguous runs (Note [Request sizes])
+    bool fixed = true;                   ///< offered to io_uring as fixed buffers
+  };
+  /// Registers [data, data + bytes) so requests whose buffer lies inside get chunks sized for
+  /// `run_bytes`, the buffer's physically contiguous runs (kHugePageBytes when it is all in huge
+  /// pages, as contiguous_run_bytes() says; else kPageBytes) and, when `fixed`, fixed-buffer ops
+  /// (io_uring; split into iovecs of at most 1 GiB; the kernel pins the memory, so not for a
+  /// lazily touched arena). The memory must stay mapped until unregister_buffer(data).
+  void register_buffer(void* data, std::size_t bytes, std::size_t run_bytes = kPageBytes,
+                       bool fixed = true);
+  void unregister_buffer(void* data);
+  /// What is registered now, in registration order.
+  [[nodiscard]] std::vector<RegisteredBuffer> registered_buffers() const;
   /// Registers a file's descriptor (io_uring registered files). Unregister before closing it.
   virtual void register_file(const File& file) = 0;
   virtual void unregister_file(const File& file) = 0;
@@ -90,9 +106,18 @@ class IoEngine {
     std::uint64_t issued = 0;     ///< bytes handed to operations so far
     std::uint64_t completed = 0;  ///< bytes transferred
     unsigned in_flight = 0;       ///< operations not yet completed
+    std::size_t chunk = 0;        ///< chunk bytes, set by the engine when it starts the request
     std::exception_ptr error;     ///< first failure
   };
   virtual void do_submit(std::unique_ptr<Pending> pending) = 0;
+  virtual void do_register_buffer(const RegisteredBuffer& buffer) = 0;
+  virtual void do_unregister_buffer(void* data) = 0;
+  /// The chunk for a request into or from memory of `run_bytes` contiguous runs: block_size,
+  /// capped where the file's device would split it (Note [Request sizes]).
+  [[nodiscard]] std::size_t chunk_bytes(const IoRequest& request,
+                                        std::size_t run_bytes) const noexcept {
+    return request.file->device().chunk_bytes(options_.block_size, run_bytes);
+  }
 
   /// Applies the configured fault injection to one completed operation: returns the result the
   /// engine should act on (the real one, -EIO, -ENOSPC or a shortened count).
@@ -112,6 +137,8 @@ class IoEngine {
   std::atomic<std::uint64_t> reads_seen_{0}, writes_seen_{0};
   std::atomic<std::uint64_t> requests_{0}, operations_{0}, resubmissions_{0}, failed_{0};
   std::atomic<std::uint64_t> bytes_read_{0}, bytes_written_{0};
+  mutable std::mutex registered_mutex_;  // registration only; never taken per request
+  std::vector<RegisteredBuffer> registered_;
 };
 
 /// Builds the engine `options.engine` asks for. Auto tries io_uring and falls back to POSIX when

@@ -44,6 +44,9 @@ struct DeviceInfo {
   std::size_t budget_bytes = 0;   ///< the device tier's hard limit
   double link_gbps = 0.0;         ///< host backend pacing; 0 when unpaced or unknown
   bool host_addressable = false;  ///< device pointers may be dereferenced on the host
+  /// Host-addressable devices: the physically contiguous runs of the device memory, which size
+  /// the chunks of NVMe reads landing in it (Note [Request sizes]); 0 otherwise.
+  std::size_t host_run_bytes = 0;
 };
 
 /// Marks a point in a stream's work. Thread-safe. Destroying an event with waits pending is
