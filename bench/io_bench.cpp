@@ -1,6 +1,7 @@
 // strata-bench io: sequential or random reads or writes through strata's I/O engines, measured
 // the way fio measures (same block size, queue depth and size, a laid-out file, its page cache
-// dropped first, random data), so the two can be compared.
+// dropped first, random data), with what the device received (its request sizes) beside the
+// bandwidth; with --vs-fio, against fio itself on the same file, in alternating runs.
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -20,6 +21,7 @@
 #include <CLI/CLI.hpp>
 
 #include "bench_common.h"
+#include "fio_peer.h"
 #include "strata/io/device_limits.h"
 #include "strata/io/error.h"
 #include "strata/io/io_engine.h"
@@ -41,6 +43,9 @@ struct Args {
   std::string huge_pages;  // empty: default_huge_pages()
   bool cleanup = false;
   bool json = false;
+  bool vs_fio = false;  // Note [Against fio]
+  unsigned runs = 3;
+  std::string fio = "fio";
 };
 
 std::vector<std::string> split_paths(const std::string& text) {
@@ -236,12 +241,97 @@ void run(const Args& args) {
   std::vector<std::uint64_t> order(blocks);
   std::iota(order.begin(), order.end(), 0);
   if (is_random) std::shuffle(order.begin(), order.end(), std::mt19937_64(1));
-  const double seconds = pass(is_read ? IoOp::Read : IoOp::Write, blocks, [&](std::uint64_t i) {
-    const std::uint64_t block = order[i];
-    return std::pair<const File*, std::uint64_t>(&files[block % files.size()],
-                                                 block / files.size() * bs);
-  });
+  const IoOp op = is_read ? IoOp::Read : IoOp::Write;
   const std::uint64_t bytes = blocks * bs;
+
+  // What the device received during `body` (Note [Request sizes]): its average request, from
+  // the sysfs counters of the device behind the first path (0 when unknown; other traffic on
+  // the device counts too, so an idle device gives the true figure).
+  const DeviceLimits& device = files.front().device();
+  auto device_request_bytes = [&](auto&& body) {
+    const DeviceCounters before = read_device_counters(device.sysfs);
+    body();
+    const DeviceCounters after = read_device_counters(device.sysfs);
+    const std::uint64_t n = is_read ? after.reads - before.reads : after.writes - before.writes;
+    const std::uint64_t b =
+        is_read ? after.read_bytes - before.read_bytes : after.write_bytes - before.write_bytes;
+    return n == 0 ? 0.0 : static_cast<double>(b) / static_cast<double>(n);
+  };
+  struct Sample {
+    double mb_per_s = 0, request_bytes = 0;
+  };
+  auto strata_pass = [&] {
+    double seconds = 0;
+    const double request = device_request_bytes([&] {
+      for (const File& f : files)
+        drop_page_cache(f);
+      seconds = pass(op, blocks, [&](std::uint64_t i) {
+        const std::uint64_t block = order[i];
+        return std::pair<const File*, std::uint64_t>(&files[block % files.size()],
+                                                     block / files.size() * bs);
+      });
+    });
+    return Sample{static_cast<double>(bytes) / seconds / 1e6, request};
+  };
+
+  // Note [Against fio]: with --vs-fio, each round runs strata and fio with default buffers and
+  // fio with huge-page buffers (--iomem=shmhuge) on the same laid-out file, with the same block
+  // size, queue depth and direction; the order rotates from round to round so that none of the
+  // three always runs first on a disk whose speed drifts. Figures are medians over the rounds,
+  // the ratios medians of each round's ratio. The huge pages fio needs are reserved for the run
+  // and given back (HugePageReservation); where they cannot be, fio's huge-page figures are
+  // left out and the JSON says why.
+  std::vector<Sample> strata_runs, fio_runs, fio_huge_runs;
+  std::string fio_version_text, fio_huge_why_not;
+  std::size_t fio_huge_pages_added = 0;
+  FioJob job;
+  if (args.vs_fio) {
+    STRATA_EXPECTS(dirs.size() == 1, "--vs-fio: give one --path (fio runs on one file), not ",
+                   dirs.size());
+    fio_version_text = fio_version(args.fio);
+    STRATA_EXPECTS(!fio_version_text.empty(), "--vs-fio: cannot run \"", args.fio,
+                   "\" (install fio, e.g. apt-get install fio, or name it with --fio)");
+    job.fio = args.fio;
+    job.file = names.front();
+    job.bytes = per_file;
+    job.block = bs;
+    job.queue_depth = args.qd;
+    job.read = is_read;
+    job.random = is_random;
+  }
+  {
+    // fio's buffers: queue depth x block size, rounded to huge pages, with room for alignment.
+    std::unique_ptr<HugePageReservation> reservation;
+    if (args.vs_fio) {
+      reservation = std::make_unique<HugePageReservation>(args.qd * bs + 2 * kHugePageBytes);
+      fio_huge_pages_added = reservation->added_pages();
+      if (!reservation->ok()) fio_huge_why_not = reservation->why_not();
+    }
+    const unsigned runs = args.vs_fio ? args.runs : 1;
+    for (unsigned round = 0; round < runs; ++round) {
+      for (unsigned k = 0; k < 3; ++k) {
+        switch ((round + k) % 3) {
+          case 0:
+            strata_runs.push_back(strata_pass());
+            break;
+          case 1:
+            if (!args.vs_fio) break;
+            job.huge_buffers = false;
+            fio_runs.push_back({});
+            fio_runs.back().request_bytes =
+                device_request_bytes([&] { fio_runs.back().mb_per_s = run_fio(job).mb_per_s; });
+            break;
+          case 2:
+            if (!args.vs_fio || !fio_huge_why_not.empty()) break;
+            job.huge_buffers = true;
+            fio_huge_runs.push_back({});
+            fio_huge_runs.back().request_bytes = device_request_bytes(
+                [&] { fio_huge_runs.back().mb_per_s = run_fio(job).mb_per_s; });
+            break;
+        }
+      }
+    }
+  }
 
   engine->unregister_buffer(slab.data());
   for (File& f : files)
@@ -251,37 +341,110 @@ void run(const Args& args) {
     for (const auto& n : names)
       std::filesystem::remove(n);
 
-  const nlohmann::json out{{"bench", "io"},
-                           {"engine", std::string(to_string(engine->kind()))},
-                           {"engine_detail", engine->describe()},
-                           {"rw", args.rw},
-                           {"bs", bs},
-                           {"qd", args.qd},
-                           {"threads", engine->kind() == EngineKind::Posix ? args.threads : 1},
-                           {"paths", dirs},
-                           {"direct", direct},
-                           {"direct_requested", options.direct},
-                           {"laid_out", laid_out},
-                           {"huge_pages", to_string(huge)},
-                           {"huge_pages_used", to_string(slab.huge_pages())},
-                           {"buffer_bytes", slab.size()},
-                           {"buffer_huge_page_bytes", buffer_huge_bytes},
-                           {"bytes", bytes},
-                           {"seconds", seconds},
-                           {"mb_per_s", static_cast<double>(bytes) / seconds / 1e6},
-                           {"iops", static_cast<double>(blocks) / seconds}};
+  auto median = [](std::vector<double> v) {
+    if (v.empty()) return 0.0;
+    std::sort(v.begin(), v.end());
+    return v.size() % 2 == 1 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+  };
+  auto field = [](const std::vector<Sample>& runs, double Sample::*f) {
+    std::vector<double> out;
+    for (const Sample& r : runs)
+      out.push_back(r.*f);
+    return out;
+  };
+  auto ratios = [&](const std::vector<Sample>& peer) {
+    std::vector<double> out;
+    for (std::size_t i = 0; i < peer.size() && i < strata_runs.size(); ++i)
+      out.push_back(strata_runs[i].mb_per_s / peer[i].mb_per_s);
+    return out;
+  };
+  const double mb_per_s = median(field(strata_runs, &Sample::mb_per_s));
+  const double seconds = static_cast<double>(bytes) / (mb_per_s * 1e6);
+  const std::size_t chunk = device.chunk_bytes(bs, run_bytes);
+
+  nlohmann::json out{{"bench", "io"},
+                     {"engine", std::string(to_string(engine->kind()))},
+                     {"engine_detail", engine->describe()},
+                     {"rw", args.rw},
+                     {"bs", bs},
+                     {"qd", args.qd},
+                     {"threads", engine->kind() == EngineKind::Posix ? args.threads : 1},
+                     {"paths", dirs},
+                     {"direct", direct},
+                     {"direct_requested", options.direct},
+                     {"laid_out", laid_out},
+                     {"huge_pages", to_string(huge)},
+                     {"huge_pages_used", to_string(slab.huge_pages())},
+                     {"buffer_bytes", slab.size()},
+                     {"buffer_huge_page_bytes", buffer_huge_bytes},
+                     {"device", device.name},
+                     {"device_max_request_bytes", device.max_request_bytes},
+                     {"device_max_segments", device.max_segments},
+                     {"chunk_bytes", chunk},
+                     {"device_request_bytes", median(field(strata_runs, &Sample::request_bytes))},
+                     {"bytes", bytes},
+                     {"seconds", seconds},
+                     {"mb_per_s", mb_per_s},
+                     {"iops", static_cast<double>(blocks) / seconds}};
+  if (args.vs_fio) {
+    out["runs"] = args.runs;
+    out["strata_runs_mb_per_s"] = field(strata_runs, &Sample::mb_per_s);
+    out["fio"] = fio_version_text;
+    job.huge_buffers = false;
+    out["fio_command"] = fio_command(job);  // --iomem=shmhuge for the huge-page runs
+    out["fio_mb_per_s"] = median(field(fio_runs, &Sample::mb_per_s));
+    out["fio_runs_mb_per_s"] = field(fio_runs, &Sample::mb_per_s);
+    out["fio_device_request_bytes"] = median(field(fio_runs, &Sample::request_bytes));
+    out["ratio_vs_fio"] = median(ratios(fio_runs));
+    out["fio_huge_pages_added"] = fio_huge_pages_added;
+    if (fio_huge_why_not.empty()) {
+      out["fio_huge_mb_per_s"] = median(field(fio_huge_runs, &Sample::mb_per_s));
+      out["fio_huge_runs_mb_per_s"] = field(fio_huge_runs, &Sample::mb_per_s);
+      out["fio_huge_device_request_bytes"] = median(field(fio_huge_runs, &Sample::request_bytes));
+      out["ratio_vs_fio_huge"] = median(ratios(fio_huge_runs));
+    } else {
+      out["fio_huge_mb_per_s"] = nullptr;
+      out["ratio_vs_fio_huge"] = nullptr;
+      out["fio_huge_not_run"] = fio_huge_why_not;
+    }
+  }
   if (args.json) {
     print_json(out);
-  } else {
+    return;
+  }
+  std::printf(
+      "io %s: %s in %.2f s = %.1f MB/s, %.0f IOPS (bs %s, qd %u, %zu path%s, %s, %s, "
+      "buffers %s in huge pages of %s, %s asked)\n",
+      args.rw.c_str(), format_bytes(bytes).c_str(), seconds, mb_per_s,
+      static_cast<double>(blocks) / seconds, format_bytes(bs).c_str(), args.qd, dirs.size(),
+      dirs.size() == 1 ? "" : "s",
+      direct ? "O_DIRECT" : (options.direct ? "buffered: O_DIRECT refused" : "buffered"),
+      engine->describe().c_str(), format_bytes(buffer_huge_bytes).c_str(),
+      format_bytes(slab.size()).c_str(), to_string(huge));
+  auto kib = [](double b) { return b / 1024.0; };
+  if (device.known()) {
     std::printf(
-        "io %s: %s in %.2f s = %.1f MB/s, %.0f IOPS (bs %s, qd %u, %zu path%s, %s, %s, "
-        "buffers %s in huge pages of %s, %s asked)\n",
-        args.rw.c_str(), format_bytes(bytes).c_str(), seconds,
-        static_cast<double>(bytes) / seconds / 1e6, static_cast<double>(blocks) / seconds,
-        format_bytes(bs).c_str(), args.qd, dirs.size(), dirs.size() == 1 ? "" : "s",
-        direct ? "O_DIRECT" : (options.direct ? "buffered: O_DIRECT refused" : "buffered"),
-        engine->describe().c_str(), format_bytes(buffer_huge_bytes).c_str(),
-        format_bytes(slab.size()).c_str(), to_string(huge));
+        "  device %s: requests up to %s, %u segments; chunks of %s; it received %.0f KiB "
+        "requests on average\n",
+        device.name.c_str(), format_bytes(device.max_request_bytes).c_str(), device.max_segments,
+        format_bytes(chunk).c_str(), kib(out["device_request_bytes"].get<double>()));
+  }
+  if (args.vs_fio) {
+    std::printf(
+        "  fio (%s), default buffers: %.1f MB/s (device requests %.0f KiB); strata / fio "
+        "= %.3f\n",
+        fio_version_text.c_str(), out["fio_mb_per_s"].get<double>(),
+        kib(out["fio_device_request_bytes"].get<double>()), out["ratio_vs_fio"].get<double>());
+    if (fio_huge_why_not.empty()) {
+      std::printf(
+          "  fio, huge-page buffers: %.1f MB/s (device requests %.0f KiB); strata / fio "
+          "= %.3f\n",
+          out["fio_huge_mb_per_s"].get<double>(),
+          kib(out["fio_huge_device_request_bytes"].get<double>()),
+          out["ratio_vs_fio_huge"].get<double>());
+    } else {
+      std::printf("  fio, huge-page buffers: not run: %s\n", fio_huge_why_not.c_str());
+    }
   }
 }
 
@@ -306,6 +469,12 @@ void register_io(CLI::App& app) {
                 "remove the data files at the end (by default they stay for the next run, as "
                 "fio's do)");
   cmd->add_flag("--json", args->json, "print one JSON object");
+  cmd->add_flag("--vs-fio", args->vs_fio,
+                "also run fio on the same file, with default and with huge-page buffers, in "
+                "alternating rounds (one --path; huge pages reserved for fio as root)");
+  cmd->add_option("--runs", args->runs, "rounds with --vs-fio (medians are reported)")
+      ->check(CLI::Range(1, 100));
+  cmd->add_option("--fio", args->fio, "the fio executable for --vs-fio");
   cmd->callback([args] { run(*args); });
 }
 
