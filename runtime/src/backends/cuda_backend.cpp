@@ -2,6 +2,7 @@
 #include <cuda_runtime_api.h>
 #include <nvtx3/nvToolsExt.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <mutex>
 
@@ -193,14 +194,30 @@ class CudaBackend final : public Backend {
   PinnedBuffer allocate_pinned(std::size_t bytes) override {
     STRATA_EXPECTS(bytes > 0, "allocate_pinned: 0 bytes");
     // mmap + cudaHostRegister rather than cudaHostAlloc: the pages are 4 KiB aligned for O_DIRECT
-    // and registrable with io_uring as well as pinned for DMA.
+    // (2 MiB aligned, in huge pages, from kHugePageBytes on) and registrable with io_uring as well
+    // as pinned for DMA. The whole mapping is registered: it is whole huge pages (Note [Huge
+    // pages]), and pinning part of one would leave the driver a partial page.
     void* data = map_pages(bytes, "Host (pinned)", /*reserve_only=*/false);
-    const cudaError_t status =
-        cudaHostRegister(data, align_up(bytes, 4096), cudaHostRegisterPortable);
+    const std::size_t length = mapped_bytes(bytes);
+    const cudaError_t status = cudaHostRegister(data, length, cudaHostRegisterPortable);
     if (status != cudaSuccess) {
+      cudaGetLastError();  // a failed registration is not sticky; start later calls clean
       unmap_pages(data, bytes);
-      throw OutOfMemoryError("Host (pinned)", bytes, 0, 0,
-                             concat("cudaHostRegister failed: ", cudaGetErrorString(status)));
+      // Note [Memory limits]: name what was asked and what the limits leave.
+      const MemoryLimits limits = read_memory_limits();
+      const std::size_t room = std::min(limits.lockable_bytes(), limits.cgroup.room_bytes());
+      const std::size_t free = room == kUnlimitedBytes ? 0 : room;
+      throw OutOfMemoryError(
+          "Host (pinned)", bytes, free, free,
+          concat("cudaHostRegister of ", length, " bytes (", format_bytes(length),
+                 ") failed: ", cudaGetErrorString(status), " (", cudaGetErrorName(status), "); ",
+                 describe_memory_limits(limits),
+                 room < length
+                     ? ". Raise RLIMIT_MEMLOCK (ulimit -l unlimited, LimitMEMLOCK=infinity in a "
+                       "systemd unit, --ulimit memlock=-1 with docker run) or the memory "
+                       "cgroup's limit, or lower the pinned budget"
+                     : ". The limits allow it, so the system could not pin it: free memory or "
+                       "lower the pinned budget"));
     }
     return PinnedBuffer(data, bytes, true, &release_registered_pages);
   }
