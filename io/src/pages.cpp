@@ -141,39 +141,30 @@ std::string cgroup_dir(std::string_view mount_point, std::string_view root, std:
   return dir;
 }
 
-bool file_exists(const std::string& path) {
-  return ::access(path.c_str(), R_OK) == 0;
-}
-
-// The tightest cgroup v2 memory limit from `dir` up to `mount` (the root cgroup has none).
-CgroupMemory read_cgroup_v2(std::string dir, const std::string& mount) {
+// The tightest memory limit of the cgroup at `dir` and its ancestors up to `mount` (v2 or v1;
+// the root cgroup has none). Only a level with a limit has its use and memory.stat read: they
+// are slower to read than the limit, and most levels have none.
+CgroupMemory read_cgroup_hierarchy(std::string dir, const std::string& mount, bool v2) {
   CgroupMemory tightest;
   for (;;) {
-    const std::string max_path = dir + "/memory.max";
-    if (file_exists(max_path)) {
-      CgroupMemory here = detail::parse_cgroup_memory(read_text(max_path.c_str()),
-                                                      read_text((dir + "/memory.current").c_str()),
-                                                      read_text((dir + "/memory.stat").c_str()));
+    const std::string limit =
+        read_text((dir + (v2 ? "/memory.max" : "/memory.limit_in_bytes")).c_str());
+    const CgroupMemory limit_only =
+        v2 ? detail::parse_cgroup_memory(limit, "") : detail::parse_cgroup_v1_memory(limit, "");
+    if (limit_only.limit_bytes != kUnlimitedBytes) {
+      const std::string current =
+          read_text((dir + (v2 ? "/memory.current" : "/memory.usage_in_bytes")).c_str());
+      const std::string stat = read_text((dir + "/memory.stat").c_str());
+      CgroupMemory here = v2 ? detail::parse_cgroup_memory(limit, current, stat)
+                             : detail::parse_cgroup_v1_memory(limit, current, stat);
       here.path = dir;
       if (tightest.path.empty() || here.room_bytes() < tightest.room_bytes()) tightest = here;
     }
-    if (dir.size() <= mount.size()) break;
     const std::size_t slash = dir.rfind('/');
-    if (slash == std::string::npos || slash < mount.size()) break;
+    if (dir.size() <= mount.size() || slash == std::string::npos || slash < mount.size()) break;
     dir.resize(slash);
   }
-  if (tightest.limit_bytes == kUnlimitedBytes) tightest.path.clear();
   return tightest;
-}
-
-CgroupMemory read_cgroup_v1(const std::string& dir) {
-  const std::string limit_path = dir + "/memory.limit_in_bytes";
-  if (!file_exists(limit_path)) return {};
-  CgroupMemory memory = detail::parse_cgroup_v1_memory(
-      read_text(limit_path.c_str()), read_text((dir + "/memory.usage_in_bytes").c_str()),
-      read_text((dir + "/memory.stat").c_str()));
-  if (memory.limit_bytes != kUnlimitedBytes) memory.path = dir;
-  return memory;
 }
 
 // The THP mode is fixed for the process's purposes: read once.
@@ -361,7 +352,10 @@ CgroupDirs parse_cgroup_dirs(std::string_view proc_self_cgroup, std::string_view
       dirs.v2_mount = std::string(mount_point);
     } else if (type == "cgroup" && has_v1 && dirs.v1_memory.empty()) {
       for (const std::string_view option : split(fields[dash + 3], ','))
-        if (option == "memory") dirs.v1_memory = cgroup_dir(mount_point, root, v1_path);
+        if (option == "memory") {
+          dirs.v1_memory = cgroup_dir(mount_point, root, v1_path);
+          dirs.v1_mount = std::string(mount_point);
+        }
     }
   }
   return dirs;
@@ -409,15 +403,19 @@ std::size_t MemoryLimits::lockable_bytes() const noexcept {
 
 CgroupMemory read_cgroup_memory() noexcept {
   try {
-    const detail::CgroupDirs dirs = detail::parse_cgroup_dirs(read_text("/proc/self/cgroup"),
-                                                              read_text("/proc/self/mountinfo"));
+    // The mounts are read once (a process does not move between mount namespaces while it
+    // allocates); its cgroup is read each time (a process may be moved to another).
+    static const std::string mountinfo = read_text("/proc/self/mountinfo");
+    const detail::CgroupDirs dirs =
+        detail::parse_cgroup_dirs(read_text("/proc/self/cgroup"), mountinfo);
     // A v2 hierarchy without the memory controller (a hybrid system binds it to v1) has no
     // memory.max anywhere; then v1's memory controller holds the limit, if any.
     if (!dirs.v2.empty()) {
-      CgroupMemory memory = read_cgroup_v2(dirs.v2, dirs.v2_mount);
+      CgroupMemory memory = read_cgroup_hierarchy(dirs.v2, dirs.v2_mount, /*v2=*/true);
       if (!memory.path.empty()) return memory;
     }
-    if (!dirs.v1_memory.empty()) return read_cgroup_v1(dirs.v1_memory);
+    if (!dirs.v1_memory.empty())
+      return read_cgroup_hierarchy(dirs.v1_memory, dirs.v1_mount, /*v2=*/false);
   } catch (...) {
     // allocation failure while reading: no limit known
   }
@@ -494,7 +492,6 @@ void* map_pages(std::size_t bytes, const char* tier, bool reserve_only, HugePage
   int flags = MAP_PRIVATE | MAP_ANONYMOUS;
   if (reserve_only) flags |= MAP_NORESERVE;
   if (bytes < kHugePageBytes) {
-    check_cgroup_room(length, bytes, tier, reserve_only);
     if (used != nullptr) *used = HugePages::Off;
     return checked_mmap(length, flags, tier, bytes);
   }

@@ -402,9 +402,9 @@ TEST(MemoryLimits, ReaderAgreesWithTheKernelFiles) {
   const std::string proc_limits = read_text("/proc/self/limits");
   const std::size_t row = proc_limits.find("Max locked memory");
   ASSERT_NE(row, std::string::npos) << proc_limits;
-  std::istringstream fields(proc_limits.substr(row + std::strlen("Max locked memory")));
+  std::istringstream row_fields(proc_limits.substr(row + std::strlen("Max locked memory")));
   std::string soft;
-  fields >> soft;
+  row_fields >> soft;
 
   PageBuffer locked(4 * MiB, /*lock=*/true, "Host (pinned)", HugePages::Off);
   const MemoryLimits limits = read_memory_limits();

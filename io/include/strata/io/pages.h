@@ -82,21 +82,22 @@ std::size_t huge_page_bytes(const void* data, std::size_t bytes);
 
 // Note [Memory limits]
 // ~~~~~~~~~~~~~~~~~~~~~
-// Three limits bound the pinned slab, and none of them may end the process:
-//  - RLIMIT_MEMLOCK caps what mlock may lock (root with CAP_IPC_LOCK is exempt); distributions
-//    default to 8 MiB, docker to 64 KiB. A refused lock is a warning (once per process, naming
+// Three limits bound the pinned slab; strata reports each instead of crashing on it:
+//  - RLIMIT_MEMLOCK caps what mlock may lock (root with CAP_IPC_LOCK is exempt); often 8 MiB,
+//    and 64 KiB in many containers. A refused lock is a warning (once per process, naming
 //    the bytes asked, the limit, VmLck already locked and the three usual ways to raise it) and
-//    the buffer stays pageable: slower DMA and O_DIRECT, the same bytes.
+//    the buffer stays pageable: the same bytes, slower DMA.
 //  - A memory cgroup (docker --memory, systemd MemoryMax=) OOM-kills the process when the memory
-//    it touches exceeds memory.max and the kernel cannot reclaim enough. A mapping that is used
-//    whole (map_pages without reserve_only: pinned slabs, staging buffers, which are locked,
-//    registered or filled at once) is refused up front with an OutOfMemoryError naming the
-//    cgroup, its limit and its use when it exceeds the cgroup's room: memory.max less
-//    memory.current, plus the page cache (active_file + inactive_file) that would be reclaimed
-//    first. Swap is not counted: locked pages cannot go there. A reserve_only arena is touched
-//    lazily, so a reservation beyond the room only warns. The tightest of the process's cgroup
-//    and its ancestors counts (cgroup v2; v1 gives hierarchical_memory_limit). hugetlb pages
-//    are charged to the hugetlb controller, not memory, and are not checked against it.
+//    it touches exceeds memory.max and the kernel cannot reclaim enough. A mapping of 2 MiB or
+//    more that is used whole (map_pages without reserve_only: pinned slabs, staging buffers,
+//    which are locked, registered or filled at once; smaller ones are not worth the cgroup's
+//    files being read) is refused up front with an OutOfMemoryError naming the cgroup, its
+//    limit and its use when it exceeds the cgroup's room: memory.max less memory.current, plus
+//    the page cache (active_file + inactive_file) that would be reclaimed first. Swap is not
+//    counted: locked pages cannot go there. A reserve_only arena is touched lazily, so a
+//    reservation beyond the room only warns. The tightest of the process's cgroup and its ancestors
+//    counts, with that cgroup's use (v2, or v1's memory controller). hugetlb pages are charged to
+//    the hugetlb controller, not memory, and are not checked against it.
 //  - A refused huge page allocation falls back to 4 KiB pages (Note [Huge pages]).
 
 /// Bytes of a limit that is not set.
@@ -127,9 +128,9 @@ struct MemoryLimits {
   [[nodiscard]] std::size_t lockable_bytes() const noexcept;
 };
 
-/// Reads the limits from getrlimit, capget, /proc/self/status, /proc/self/cgroup,
-/// /proc/self/mountinfo, the cgroup's files and /proc/meminfo. Never throws: what cannot be read
-/// is left unlimited (or 0 for counts). Reads the files each time (a process may change cgroup).
+/// Reads the limits from getrlimit, capget, /proc/self/status, /proc/self/cgroup, the cgroup's
+/// files and /proc/meminfo, each time (a process may be moved to another cgroup), and
+/// /proc/self/mountinfo once. Never throws: what cannot be read is left unlimited (0 for counts).
 MemoryLimits read_memory_limits() noexcept;
 /// The memory cgroup part of read_memory_limits().
 CgroupMemory read_cgroup_memory() noexcept;
@@ -213,6 +214,7 @@ struct CgroupDirs {
   std::string v2;
   std::string v1_memory;
   std::string v2_mount;  ///< the cgroup2 mount point: ancestors are walked up to it
+  std::string v1_mount;  ///< the v1 memory controller's mount point
 };
 CgroupDirs parse_cgroup_dirs(std::string_view proc_self_cgroup, std::string_view mountinfo);
 
