@@ -142,19 +142,22 @@ std::string cgroup_dir(std::string_view mount_point, std::string_view root, std:
 }
 
 // The tightest memory limit of the cgroup at `dir` and its ancestors up to `mount` (v2 or v1;
-// the root cgroup has none). Only a level with a limit has its use and memory.stat read: they
-// are slower to read than the limit, and most levels have none.
+// the root cgroup has none). Only a level with a limit has its use and memory.stat read (but
+// v1's own cgroup): they are slower to read than the limit, and most levels have none.
 CgroupMemory read_cgroup_hierarchy(std::string dir, const std::string& mount, bool v2) {
   CgroupMemory tightest;
-  for (;;) {
+  for (bool leaf = true;; leaf = false) {
     const std::string limit =
         read_text((dir + (v2 ? "/memory.max" : "/memory.limit_in_bytes")).c_str());
-    const CgroupMemory limit_only =
-        v2 ? detail::parse_cgroup_memory(limit, "") : detail::parse_cgroup_v1_memory(limit, "");
+    // v1's memory.stat names the limit of ancestors a container cannot see
+    // (hierarchical_memory_limit): read at the process's own cgroup.
+    std::string stat = !v2 && leaf ? read_text((dir + "/memory.stat").c_str()) : std::string();
+    const CgroupMemory limit_only = v2 ? detail::parse_cgroup_memory(limit, "")
+                                       : detail::parse_cgroup_v1_memory(limit, "", stat);
     if (limit_only.limit_bytes != kUnlimitedBytes) {
       const std::string current =
           read_text((dir + (v2 ? "/memory.current" : "/memory.usage_in_bytes")).c_str());
-      const std::string stat = read_text((dir + "/memory.stat").c_str());
+      if (stat.empty()) stat = read_text((dir + "/memory.stat").c_str());
       CgroupMemory here = v2 ? detail::parse_cgroup_memory(limit, current, stat)
                              : detail::parse_cgroup_v1_memory(limit, current, stat);
       here.path = dir;
