@@ -1,7 +1,7 @@
 // strata-bench overlap: a synthetic layered model many times larger than the device budget,
 // streamed layer by layer through the prefetch pipeline; reports how much of the copy time the
 // prefetch hid (metrics defined in the design: compute_s, transfer_s, step_s, roofline,
-// overlap_efficiency).
+// overlap_efficiency), with a light compute (copy) or a GEMM on the layer's bytes, or both.
 #include <unistd.h>
 
 #include <algorithm>
@@ -9,11 +9,14 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <functional>
+#include <memory>
 #include <vector>
 
 #include <CLI/CLI.hpp>
 
 #include "bench_common.h"
+#include "gemm_compute.h"
 #include "strata/io/error.h"
 #include "strata/io/pages.h"
 #include "strata/io/units.h"
@@ -38,22 +41,15 @@ struct Args {
   int passes = 5;
   double compute_ms = -1;  // default: compute_ratio x the measured transfer time of one layer
   double compute_ratio = 1.0;
+  std::string compute = "copy";  // copy | gemm | both
+  std::size_t gemm_m = 0;        // 0: calibrated to compute_ms
+  std::size_t gemm_n = 0;        // 0: from the layer's size (gemm_shape)
+  std::size_t gemm_k = 0;
   double max_roofline = kMaxRoofline;
   bool json = false;
   std::string trace;
   std::string svg;
 };
-
-void fill_layer(std::byte* data, std::size_t bytes, std::size_t layer) {
-  auto* w = reinterpret_cast<std::uint64_t*>(data);
-  std::uint64_t x = 0x9E3779B97F4A7C15ULL * (layer + 1);
-  for (std::size_t i = 0; i < bytes / 8; ++i) {
-    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
-    w[i] = x;
-  }
-  for (std::size_t i = bytes / 8 * 8; i < bytes; ++i)
-    data[i] = std::byte(layer + i);
-}
 
 // Reads every byte: a stale or wrong byte changes the result.
 std::uint64_t checksum(const std::byte* data, std::size_t bytes) {
@@ -81,12 +77,52 @@ void arithmetic(std::uint64_t iterations) {
   g_sink = x + y;
 }
 
-struct Compute {
-  std::uint64_t iterations = 0;
-  std::vector<std::byte> scratch;  // device bytes copied back when not host-addressable
+// Note [Overlap compute modes]: the step's compute runs on the driving thread once the step's
+// lease is ready (Lease::wait), where stream_inference runs its layers; on the host backend
+// there is no other compute stream to wait on. `copy` reads every byte of the layer (a checksum
+// against the expected value) plus calibrated scalar arithmetic: one core, little memory
+// traffic beyond the layer. `gemm` is a float32 GEMM through OpenBLAS (its own threads,
+// OPENBLAS_NUM_THREADS) whose B matrix is the layer's bytes (gemm_compute.h), m calibrated the
+// same way: the cores are busy as with a real model. Stream::launch_host_func could run either
+// on the backend's compute stream instead, but the step must still block on it before
+// end_step releases the lease: the same order, one more thread hop and wake-up per layer.
+enum class ComputeMode { Copy, Gemm };
+
+const char* to_string(ComputeMode m) {
+  return m == ComputeMode::Copy ? "copy" : "gemm";
+}
+
+std::vector<ComputeMode> parse_compute(const std::string& text) {
+  if (text == "copy") return {ComputeMode::Copy};
+  if (text == "gemm") return {ComputeMode::Gemm};
+  if (text == "both") return {ComputeMode::Copy, ComputeMode::Gemm};
+  STRATA_FAIL(Errc::invalid_argument, "--compute: \"", text, "\" is not copy, gemm or both");
+}
+
+// `path` with `suffix` before its extension: strata-overlap.svg -> strata-overlap-gemm.svg.
+std::string with_suffix(const std::string& path, const std::string& suffix) {
+  const std::filesystem::path p(path);
+  return (p.parent_path() / (p.stem().string() + suffix + p.extension().string())).string();
+}
+
+std::size_t median_index(const std::vector<double>& v) {
+  std::vector<std::size_t> order(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i)
+    order[i] = i;
+  std::sort(order.begin(), order.end(), [&](auto a, auto b) { return v[a] < v[b]; });
+  return order[order.size() / 2];
+}
+
+// One compute mode's figures (Note [Overlap measurement]).
+struct ModeResult {
+  ComputeMode mode = ComputeMode::Copy;
+  double compute_s = 0, transfer_s = 0, step_s = 0;
+  bool verified = true;
+  nlohmann::json figures;
 };
 
 void run(Args args) {
+  const std::vector<ComputeMode> modes = parse_compute(args.compute);
   if (!args.json && args.trace.empty() && args.svg.empty()) {  // the demo says where they went
     args.trace = "strata-overlap-trace.json";
     args.svg = "strata-overlap.svg";
@@ -95,6 +131,9 @@ void run(Args args) {
   STRATA_EXPECTS(args.layers >= 2, "--layers: need at least 2");
   STRATA_EXPECTS(args.home == "nvme" || args.home == "host", "--home: \"", args.home,
                  "\" is not host or nvme");
+  GemmShape gemm_base;
+  if (modes.back() == ComputeMode::Gemm)  // checked before anything is built
+    gemm_base = gemm_shape(layer_bytes, args.gemm_m, args.gemm_n, args.gemm_k);
   const std::uint64_t model = layer_bytes * args.layers;
   const std::size_t staging_chunk = 4 * MiB, staging_chunks = 8;
   const std::size_t staging = staging_chunk * staging_chunks;
@@ -164,7 +203,7 @@ void run(Args args) {
   // (prefetch auto, no compute), a compute pass (each layer's compute timed with its layer
   // already on the device) and a step pass (prefetch as asked, with compute); each figure is the
   // median over the rounds. A roofline above 1.02 then means the figures were not measured as
-  // they claim, and the bench refuses it.
+  // they claim, and the bench refuses it. With --compute both, each mode has rounds of its own.
   auto cool = [&] {
     rt.synchronize();
     for (TensorId t : layers) {
@@ -173,21 +212,19 @@ void run(Args args) {
     }
   };
 
-  bool verified = true;
-  Compute compute;
-  if (!host_addressable) compute.scratch.resize(layer_bytes);
-  auto compute_step = [&](const Lease& lease, std::size_t l) {
+  // The layer's bytes where the host can read them (copied back when not host-addressable).
+  std::vector<std::byte> scratch;
+  if (!host_addressable) scratch.resize(layer_bytes);
+  auto host_bytes = [&](const Lease& lease) {
     lease.wait();  // the host backend's stream wait: the compute "stream" is this thread
-    const std::byte* data = lease.as<const std::byte>();
-    if (!host_addressable) {
-      rt.backend().compute_stream().copy_async(compute.scratch.data(), lease.data(), layer_bytes,
-                                               CopyKind::DeviceToHost);
-      rt.backend().compute_stream().synchronize();
-      data = compute.scratch.data();
-    }
-    if (checksum(data, layer_bytes) != expected[l]) verified = false;
-    arithmetic(compute.iterations);
+    if (host_addressable) return lease.as<const std::byte>();
+    rt.backend().compute_stream().copy_async(scratch.data(), lease.data(), layer_bytes,
+                                             CopyKind::DeviceToHost);
+    rt.backend().compute_stream().synchronize();
+    return static_cast<const std::byte*>(scratch.data());
   };
+  // The step's compute for the mode being measured; sets `verified` false on a wrong result.
+  std::function<void(const Lease&, std::size_t)> compute_step;
 
   PipelineOptions step_options;
   std::string prefetch_label = args.prefetch;
@@ -263,119 +300,194 @@ void run(Args args) {
     return seconds;
   };
 
-  // Calibrate the arithmetic so a step takes compute_ms with its data resident: by default one
+  // Each mode's compute takes compute_ms per step with its data resident: by default one
   // layer's transfer time (from a first cold transfer pass, not counted) times --compute-ratio.
   const double calibration_s = pass(transfer_options, false).seconds;
   const double compute_ms = args.compute_ms >= 0 ? args.compute_ms
                                                  : args.compute_ratio * calibration_s * 1e3 /
                                                        static_cast<double>(args.layers);
-  {
-    PageBuffer probe(layer_bytes);
-    fill_layer(probe.data(), layer_bytes, 0);
-    auto t = Clock::now();
-    for (int i = 0; i < 3; ++i)
-      g_sink = static_cast<double>(checksum(probe.data(), layer_bytes));
-    const double checksum_s = seconds_since(t) / 3;
-    t = Clock::now();
-    arithmetic(20'000'000);
-    const double per_iteration = seconds_since(t) / 20e6;
-    const double rest = compute_ms / 1e3 - checksum_s;
-    compute.iterations = rest > 0 ? static_cast<std::uint64_t>(rest / per_iteration) : 0;
+  PageBuffer probe(layer_bytes);
+  fill_layer(probe.data(), layer_bytes, 0);
+
+  std::vector<ModeResult> results;
+  for (const ComputeMode mode : modes) {
+    ModeResult res;
+    res.mode = mode;
+    bool& verified = res.verified;
+    nlohmann::json gemm_figures;
+    std::unique_ptr<GemmCompute> gemm;
+    if (mode == ComputeMode::Copy) {
+      auto t = Clock::now();
+      for (int i = 0; i < 3; ++i)
+        g_sink = static_cast<double>(checksum(probe.data(), layer_bytes));
+      const double checksum_s = seconds_since(t) / 3;
+      t = Clock::now();
+      arithmetic(20'000'000);
+      const double per_iteration = seconds_since(t) / 20e6;
+      const double rest = compute_ms / 1e3 - checksum_s;
+      const std::uint64_t iterations =
+          rest > 0 ? static_cast<std::uint64_t>(rest / per_iteration) : 0;
+      compute_step = [&, iterations](const Lease& lease, std::size_t l) {
+        if (checksum(host_bytes(lease), layer_bytes) != expected[l]) verified = false;
+        arithmetic(iterations);
+      };
+    } else {
+      GemmShape shape = gemm_base;
+      if (shape.m == 0) shape.m = calibrate_gemm_m(shape, probe.data(), compute_ms / 1e3);
+      gemm = std::make_unique<GemmCompute>(shape, args.layers);
+      compute_step = [&](const Lease& lease, std::size_t l) {
+        if (!gemm->run(l, host_bytes(lease))) verified = false;
+      };
+    }
+
+    std::vector<double> transfers, computes, steps;
+    std::vector<PassResult> step_results, transfer_results;
+    for (int round = 0; round < args.passes; ++round) {
+      transfer_results.push_back(pass(transfer_options, false));
+      transfers.push_back(transfer_results.back().seconds);
+      computes.push_back(compute_pass());
+      if (round + 1 == args.passes) rt.telemetry().clear();  // the trace shows the last step pass
+      step_results.push_back(pass(step_options, true));
+      steps.push_back(step_results.back().seconds);
+      if (progress)
+        std::fprintf(stderr, "\r  %s round %d/%d: transfer %.3f s, compute %.3f s, step %.3f s   ",
+                     to_string(mode), round + 1, args.passes, transfers.back(), computes.back(),
+                     steps.back());
+    }
+    if (progress) std::fprintf(stderr, "\n");
+    const std::size_t ti = median_index(transfers), si = median_index(steps);
+    res.transfer_s = transfers[ti];
+    res.compute_s = computes[median_index(computes)];
+    res.step_s = steps[si];
+    const PassResult& sr = step_results[si];
+    const PassResult& tr = transfer_results[ti];
+    const double roofline = std::max(res.compute_s, res.transfer_s) / res.step_s;
+    const double overlap =
+        (res.compute_s + res.transfer_s - res.step_s) / std::min(res.compute_s, res.transfer_s);
+    const PipelineStats& ps = sr.pipeline;
+
+    // The first mode's trace and timeline keep their names; a second mode's get "-gemm".
+    const std::string suffix = mode == modes.front() ? "" : std::string("-") + to_string(mode);
+    if (!args.trace.empty()) rt.telemetry().write_chrome_trace(with_suffix(args.trace, suffix));
+    if (!args.svg.empty()) {
+      char title[256];
+      std::snprintf(title, sizeof title,
+                    "strata overlap (%s): %zu x %s from %s, prefetch %s, step %.3f s (compute "
+                    "%.3f, transfer %.3f), roofline %.2f",
+                    to_string(mode), args.layers, format_bytes(layer_bytes).c_str(),
+                    args.home.c_str(), prefetch_label.c_str(), res.step_s, res.compute_s,
+                    res.transfer_s, roofline);
+      write_svg_timeline(with_suffix(args.svg, suffix), rt, rt.telemetry(), title);
+    }
+    res.figures = {
+        {"compute_ms", compute_ms},
+        {"compute_s", res.compute_s},
+        {"transfer_s", res.transfer_s},
+        {"step_s", res.step_s},
+        {"roofline", roofline},
+        {"overlap_efficiency", overlap},
+        {"transfer_s_passes", transfers},
+        {"compute_s_passes", computes},
+        {"step_s_passes", steps},
+        {"bytes_nvme_read", sr.nvme_read},
+        {"bytes_nvme_to_device", sr.moved.bytes_nvme_to_device},
+        {"bytes_nvme_to_host", sr.moved.bytes_nvme_to_host},
+        {"bytes_host_to_device", sr.moved.bytes_host_to_device},
+        {"gbps_to_device", static_cast<double>(model) / res.transfer_s / 1e9},
+        {"gbps_nvme_read", static_cast<double>(tr.nvme_read) / res.transfer_s / 1e9},
+        {"max_lookahead_steps", ps.max_lookahead_steps},
+        {"ready_at_step_begin", ps.inputs ? static_cast<double>(ps.ready_at_begin) / ps.inputs : 0},
+        {"verified", verified}};
+    if (gemm) {
+      const GemmShape& s = gemm->shape();
+      res.figures["gemm_m"] = s.m;
+      res.figures["gemm_n"] = s.n;
+      res.figures["gemm_k"] = s.k;
+      res.figures["gemm_flops_per_layer"] = s.flops();
+      res.figures["gemm_gflops"] =
+          s.flops() * static_cast<double>(args.layers) / res.compute_s / 1e9;
+      res.figures["gemm_checked_outputs"] = gemm->checked_outputs();
+      res.figures["blas_threads"] = blas_threads();
+    }
+    compute_step = nullptr;  // it refers to this iteration's locals
+    results.push_back(std::move(res));
   }
 
-  std::vector<double> transfers, computes, steps;
-  std::vector<PassResult> step_results, transfer_results;
-  for (int round = 0; round < args.passes; ++round) {
-    transfer_results.push_back(pass(transfer_options, false));
-    transfers.push_back(transfer_results.back().seconds);
-    computes.push_back(compute_pass());
-    if (round + 1 == args.passes) rt.telemetry().clear();  // the trace shows the last step pass
-    step_results.push_back(pass(step_options, true));
-    steps.push_back(step_results.back().seconds);
-    if (progress)
-      std::fprintf(stderr, "\r  round %d/%d: transfer %.3f s, compute %.3f s, step %.3f s   ",
-                   round + 1, args.passes, transfers.back(), computes.back(), steps.back());
-  }
-  if (progress) std::fprintf(stderr, "\n");
-  const auto median_index = [](const std::vector<double>& v) {
-    std::vector<std::size_t> order(v.size());
-    for (std::size_t i = 0; i < v.size(); ++i)
-      order[i] = i;
-    std::sort(order.begin(), order.end(), [&](auto a, auto b) { return v[a] < v[b]; });
-    return order[order.size() / 2];
-  };
-  const std::size_t ti = median_index(transfers), si = median_index(steps);
-  const double transfer_s = transfers[ti];
-  const double compute_s = computes[median_index(computes)];
-  const double step_s = steps[si];
-  const PassResult& sr = step_results[si];
-  const PassResult& tr = transfer_results[ti];
   const TierStats d1 = rt.tier_stats(Tier::Device);
-  const double roofline = std::max(compute_s, transfer_s) / step_s;
-  const double overlap = (compute_s + transfer_s - step_s) / std::min(compute_s, transfer_s);
-  const PipelineStats& ps = sr.pipeline;
-
-  if (!args.trace.empty()) rt.telemetry().write_chrome_trace(args.trace);
-  if (!args.svg.empty()) {
-    char title[256];
-    std::snprintf(title, sizeof title,
-                  "strata overlap: %zu x %s from %s, prefetch %s, step %.3f s (compute %.3f, "
-                  "transfer %.3f), roofline %.2f",
-                  args.layers, format_bytes(layer_bytes).c_str(), args.home.c_str(),
-                  prefetch_label.c_str(), step_s, compute_s, transfer_s, roofline);
-    write_svg_timeline(args.svg, rt, rt.telemetry(), title);
-  }
-  const nlohmann::json out{
-      {"bench", "overlap"},
-      {"backend", std::string(to_string(rt.backend().kind()))},
-      {"home", args.home},
-      {"prefetch", prefetch_label},
-      {"layers", args.layers},
-      {"layer_bytes", layer_bytes},
-      {"model_bytes", model},
-      {"device_budget", rt.backend().info().budget_bytes},
-      {"link_gbps", args.link_gbps},
-      {"compute_ms", compute_ms},
-      {"compute_s", compute_s},
-      {"transfer_s", transfer_s},
-      {"step_s", step_s},
-      {"roofline", roofline},
-      {"overlap_efficiency", overlap},
-      {"tier_state", "cold"},
-      {"passes", args.passes},
-      {"transfer_s_passes", transfers},
-      {"compute_s_passes", computes},
-      {"step_s_passes", steps},
-      {"bytes_nvme_read", sr.nvme_read},
-      {"bytes_nvme_to_device", sr.moved.bytes_nvme_to_device},
-      {"bytes_nvme_to_host", sr.moved.bytes_nvme_to_host},
-      {"bytes_host_to_device", sr.moved.bytes_host_to_device},
-      {"gbps_to_device", static_cast<double>(model) / transfer_s / 1e9},
-      {"gbps_nvme_read", static_cast<double>(tr.nvme_read) / transfer_s / 1e9},
-      {"peak_device_bytes", d1.peak_bytes},
-      {"max_lookahead_steps", ps.max_lookahead_steps},
-      {"ready_at_step_begin", ps.inputs ? static_cast<double>(ps.ready_at_begin) / ps.inputs : 0},
-      {"verified", verified}};
+  nlohmann::json out = results.front().figures;
+  const nlohmann::json common{{"bench", "overlap"},
+                              {"backend", std::string(to_string(rt.backend().kind()))},
+                              {"home", args.home},
+                              {"prefetch", prefetch_label},
+                              {"compute", args.compute},
+                              {"layers", args.layers},
+                              {"layer_bytes", layer_bytes},
+                              {"model_bytes", model},
+                              {"device_budget", rt.backend().info().budget_bytes},
+                              {"link_gbps", args.link_gbps},
+                              {"tier_state", "cold"},
+                              {"passes", args.passes},
+                              {"peak_device_bytes", d1.peak_bytes}};
+  out.update(common);
+  for (std::size_t i = 1; i < results.size(); ++i)
+    out[to_string(results[i].mode)] = results[i].figures;
   if (args.json) {
     print_json(out);
   } else {
-    std::printf("\n  %-22s %10s\n", "metric", "value");
-    std::printf("  %-22s %10.3f\n  %-22s %10.3f\n  %-22s %10.3f\n", "compute_s", compute_s,
-                "transfer_s", transfer_s, "step_s", step_s);
-    std::printf("  %-22s %10.3f\n  %-22s %10.3f\n", "roofline", roofline, "overlap_efficiency",
-                overlap);
-    std::printf("  %-22s %10.2f\n  %-22s %10.2f\n", "gbps_to_device",
-                out["gbps_to_device"].get<double>(), "gbps_nvme_read",
-                out["gbps_nvme_read"].get<double>());
-    std::printf("  %-22s %10s\n  %-22s %10zu\n  %-22s %10s\n", "peak_device_bytes",
-                format_bytes(d1.peak_bytes).c_str(), "max lookahead (steps)",
-                ps.max_lookahead_steps, "verified", verified ? "yes" : "NO");
-    if (!args.trace.empty()) std::printf("  trace: %s (open in Perfetto)\n", args.trace.c_str());
-    if (!args.svg.empty()) std::printf("  timeline: %s\n", args.svg.c_str());
+    std::printf("\n  %-22s", "metric");
+    for (const ModeResult& r : results)
+      std::printf(" %10s", to_string(r.mode));
+    std::printf("\n");
+    for (const char* key : {"compute_s", "transfer_s", "step_s", "roofline", "overlap_efficiency",
+                            "gbps_to_device", "gbps_nvme_read"}) {
+      std::printf("  %-22s", key);
+      for (const ModeResult& r : results)
+        std::printf(" %10.3f", r.figures[key].get<double>());
+      std::printf("\n");
+    }
+    std::printf("  %-22s", "max lookahead (steps)");
+    for (const ModeResult& r : results)
+      std::printf(" %10zu", r.figures["max_lookahead_steps"].get<std::size_t>());
+    std::printf("\n  %-22s", "verified");
+    for (const ModeResult& r : results)
+      std::printf(" %10s", r.verified ? "yes" : "NO");
+    std::printf("\n  %-22s %10s\n", "peak_device_bytes", format_bytes(d1.peak_bytes).c_str());
+    for (const ModeResult& r : results) {
+      if (r.mode != ComputeMode::Gemm) continue;
+      const nlohmann::json& f = r.figures;
+      std::printf(
+          "  gemm: %zu x %zu x %zu per layer (B = the layer's bytes), %.1f GFLOP/s, "
+          "%d BLAS threads\n",
+          f["gemm_m"].get<std::size_t>(), f["gemm_n"].get<std::size_t>(),
+          f["gemm_k"].get<std::size_t>(), f["gemm_gflops"].get<double>(),
+          f["blas_threads"].get<int>());
+    }
+    for (const ModeResult& r : results) {
+      const std::string suffix = &r == &results.front() ? "" : std::string("-") + to_string(r.mode);
+      if (!args.trace.empty())
+        std::printf("  trace (%s): %s (open in Perfetto)\n", to_string(r.mode),
+                    with_suffix(args.trace, suffix).c_str());
+      if (!args.svg.empty())
+        std::printf("  timeline (%s): %s\n", to_string(r.mode),
+                    with_suffix(args.svg, suffix).c_str());
+    }
   }
   if (own_dir) std::filesystem::remove_all(dir);
-  if (!verified) throw Error(Errc::corrupt_data, "overlap: a layer's checksum did not match");
-  checked_roofline(compute_s, transfer_s, step_s, args.max_roofline);  // refuses, naming them
+  for (const ModeResult& r : results) {
+    if (!r.verified)
+      throw Error(Errc::corrupt_data,
+                  std::string("overlap (") + to_string(r.mode) + "): a layer's " +
+                      (r.mode == ComputeMode::Copy ? "checksum" : "GEMM output") +
+                      " did not match");
+  }
+  for (const ModeResult& r : results) {
+    try {
+      checked_roofline(r.compute_s, r.transfer_s, r.step_s, args.max_roofline);  // names them
+    } catch (const RooflineError& e) {
+      throw RooflineError(e.code(),
+                          std::string("overlap (") + to_string(r.mode) + "): " + e.what());
+    }
+  }
 }
 
 }  // namespace
@@ -403,6 +515,16 @@ void register_overlap(CLI::App& app) {
   cmd->add_option("--compute-ratio", args->compute_ratio,
                   "compute per step as a multiple of one layer's measured transfer time")
       ->check(CLI::PositiveNumber);
+  cmd->add_option("--compute", args->compute,
+                  "the step's compute: copy (checksum + scalar arithmetic) | gemm (OpenBLAS "
+                  "sgemm, B = the layer's bytes) | both (copy rounds, then gemm rounds)");
+  cmd->add_option("--gemm-m", args->gemm_m,
+                  "gemm: rows of the activation (default: calibrated to the compute time)");
+  cmd->add_option("--gemm-n", args->gemm_n,
+                  "gemm: columns of the layer's weight matrix (default: layer floats / k)");
+  cmd->add_option("--gemm-k", args->gemm_k,
+                  "gemm: rows of the layer's weight matrix (default: the power of two nearest "
+                  "below sqrt(layer floats))");
   cmd->add_option("--max-roofline", args->max_roofline,
                   "refuse a roofline above this as a measurement error (default 1.02; a smoke "
                   "run of a few milliseconds is no measurement)");
