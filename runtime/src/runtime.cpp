@@ -397,6 +397,44 @@ struct Runtime::Impl {
     }
   }
 
+  // Runtime::stage: room for t's copy on `tier` from free space, compaction, or clean copies the
+  // policy ranks before t itself (t is shown to it as a candidate: if it would go first, the
+  // staging would evict something needed sooner). Never writes back, never waits.
+  bool stage(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier) {
+    if (t.discarded) return false;
+    for (std::size_t i = 0; i <= idx(tier); ++i) {  // already here, or on a faster tier
+      const CopyState s = t.copies[i].state;
+      if (s == CopyState::Loading || s == CopyState::Evicting || t.current(static_cast<Tier>(i)))
+        return false;
+    }
+    bool below_current = false;
+    for (std::size_t i = idx(tier) + 1; i < kTiers; ++i)
+      below_current = below_current || t.current(static_cast<Tier>(i));
+    if (!below_current) return false;
+    for (;;) {
+      if (try_alloc(t, tier)) break;
+      if (MemoryPool* p = pool(tier)) {
+        const PoolStats s = p->stats();
+        if (s.free_bytes >= align_up(t.desc.bytes, kPageBytes) && compact(tier, t.desc.bytes))
+          continue;
+      }
+      auto candidates = evictable(tier, t);
+      std::erase_if(candidates, [&](TensorState* c) { return dirty(*c, tier); });
+      if (candidates.empty()) return false;
+      std::vector<EvictionCandidate> view;
+      for (TensorState* c : candidates)
+        view.push_back({c->id, c->desc.bytes, c->copies[idx(tier)].last_use, false});
+      view.push_back({t.id, t.desc.bytes, 0, false});
+      const std::size_t pick = policy->choose(tier, view);
+      if (pick >= candidates.size()) return false;
+      evict_copy(lock, *candidates[pick], tier);  // clean: dropped, the lock kept
+    }
+    start_load(lock, t, tier, source_for(t, tier));
+    t.copies[idx(tier)].last_use = ++clock;
+    run_after_unlock(lock);
+    return true;
+  }
+
   // Drops t's copy on `tier`, writing it back below first when it is dirty. Blocks.
   void evict_copy(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier) {
     Copy& c = t.copies[idx(tier)];
@@ -882,6 +920,15 @@ struct Runtime::Impl {
         changed.wait(lock);
         continue;
       }
+      // A device load while the tensor's host copy is landing (a prefetch staged it from NVMe
+      // ahead of the device) waits for that copy and moves from it: NVMe is read once.
+      if (tier == Tier::Device) {
+        const Copy& h = t.copies[idx(Tier::Host)];
+        if (h.state == CopyState::Loading && h.version == t.version) {
+          changed.wait(lock);
+          continue;
+        }
+      }
       if (count) ++stats[idx(tier)].misses;
       count = false;  // one request counts once, however often it loops
       const Tier src = source_for(t, tier);
@@ -1183,6 +1230,14 @@ void Runtime::prefetch(TensorId id, Tier tier) {
   rt.require_tier(tier, "prefetch");
   TensorState& t = rt.get(id);
   rt.ensure(lock, t, tier, /*count=*/false, Access::Read, /*prefetch=*/true);
+}
+
+bool Runtime::stage(TensorId id, Tier tier) {
+  Impl& rt = *impl_;
+  std::unique_lock lock(rt.mutex);
+  STRATA_EXPECTS(tier != Tier::Nvme, "stage: to the device or the host tier");
+  TensorState& t = rt.get(id);
+  return rt.stage(lock, t, tier);
 }
 
 bool Runtime::evict(TensorId id, Tier tier) {

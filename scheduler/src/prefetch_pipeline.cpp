@@ -20,12 +20,15 @@ std::uint64_t now_ns() {
 
 }  // namespace
 
-// The schedule and the step being computed, shared with the eviction policy, which the runtime
-// calls with its own lock held: this lock is always taken last.
+// The schedule and the first step not yet ended, shared with the eviction policy, which the
+// runtime calls with its own lock held: this lock is always taken last. Distances count from the
+// first step not ended: once a step has ended its tensors are far (their next use is the next
+// iteration's), and the planner's prefetches for the steps after it evict them first, not the
+// next steps' tensors staged or prefetched ahead.
 struct PrefetchPipeline::Oracle {
   std::mutex mutex;
   std::shared_ptr<const Schedule> schedule;
-  const std::atomic<std::size_t>* cursor = nullptr;
+  const std::atomic<std::size_t>* cursor = nullptr;  // PrefetchPipeline::open_
 
   std::uint64_t distance(TensorId tensor) {
     std::shared_ptr<const Schedule> s;
@@ -63,7 +66,7 @@ PrefetchPipeline::PrefetchPipeline(Runtime& runtime, PipelineOptions options)
   STRATA_EXPECTS(options_.prefetch != PrefetchMode::Fixed || options_.fixed_lookahead >= 1,
                  "fixed_lookahead: must be >= 1");
   oracle_ = std::make_shared<Oracle>();
-  oracle_->cursor = &cursor_;
+  oracle_->cursor = &open_;
   if (options_.belady) {
     rt_.set_eviction_policy(std::make_shared<FarthestNextUsePolicy>(
         [oracle = oracle_](TensorId t) { return oracle->distance(t); }));
@@ -88,13 +91,20 @@ void PrefetchPipeline::publish_schedule() {
     std::lock_guard lock(oracle_->mutex);
     oracle_->schedule = std::make_shared<const Schedule>(schedule_);
   }
-  std::unordered_set<TensorId> host;
+  std::unordered_set<TensorId> host, written;
   std::uint64_t host_bytes = 0;
+  written_.clear();
   for (const Step& step : schedule_.steps())
-    for (const TensorUse& u : step.uses)
+    for (const TensorUse& u : step.uses) {
       if (u.tier == Tier::Host && host.insert(u.tensor).second)
         host_bytes += rt_.describe(u.tensor).bytes;
+      if (u.use != Use::Read && written.insert(u.tensor).second) written_.push_back(u.tensor);
+    }
   host_pressure_ = rt_.swap() != nullptr && host_bytes > rt_.tier_stats(Tier::Host).capacity_bytes;
+}
+
+void PrefetchPipeline::update_open() {
+  open_.store(std::max(cursor_.load(), completed_));
 }
 
 void PrefetchPipeline::set_schedule(Schedule schedule) {
@@ -111,11 +121,14 @@ void PrefetchPipeline::set_schedule(Schedule schedule) {
 void PrefetchPipeline::begin_iteration() {
   std::lock_guard lock(mutex_);
   prefetch_log_.emplace_back();
+  host_prefetch_log_.emplace_back();
   started_ = false;
   if (!schedule_.empty()) {
     cursor_.store(iteration_ * schedule_.size());
     next_to_issue_ = std::max(next_to_issue_, iteration_ * schedule_.size());
+    next_to_stage_ = std::max(next_to_stage_, iteration_ * schedule_.size());
     completed_ = std::max(completed_, iteration_ * schedule_.size());
+    update_open();
   }
   plan_requested_ = true;
   wake_.notify_all();
@@ -153,6 +166,8 @@ StepLeases PrefetchPipeline::begin_step(const std::string& name, std::vector<Ten
       if (found != Schedule::kNever) {
         cursor_.store(found);
         next_to_issue_ = std::max(next_to_issue_, found);  // skipped steps are not prefetched
+        next_to_stage_ = std::max(next_to_stage_, found);
+        update_open();
       }
       started_ = true;
       out.step_ = cursor_.load();
@@ -218,6 +233,7 @@ void PrefetchPipeline::end_step(StepLeases leases) {
     const std::size_t n = schedule_.size();
     const std::size_t local = leases.step_ % n;
     completed_ = std::max(completed_, leases.step_ + 1);
+    update_open();
     // Is `tensor` used on `tier` by a later step of this iteration?
     const auto used_later_on = [&](TensorId tensor, Tier tier) {
       for (std::size_t k = local + 1; k < n; ++k)
@@ -234,6 +250,9 @@ void PrefetchPipeline::end_step(StepLeases leases) {
         write_back_queue_.push_back({u.tensor, Tier::Host});
     }
   }
+  // The step's leases have ended: its room is free for the next device prefetch, and one that
+  // failed for lack of room is retried now rather than when the next step begins.
+  plan_requested_ = true;
   wake_.notify_all();
 }
 
@@ -261,7 +280,10 @@ void PrefetchPipeline::end_iteration() {
   }
   ++iteration_;
   started_ = false;
-  if (!schedule_.empty()) next_to_issue_ = std::max(next_to_issue_, iteration_ * schedule_.size());
+  if (!schedule_.empty()) {
+    next_to_issue_ = std::max(next_to_issue_, iteration_ * schedule_.size());
+    next_to_stage_ = std::max(next_to_stage_, iteration_ * schedule_.size());
+  }
   plan_requested_ = true;
   wake_.notify_all();
 }
@@ -271,6 +293,24 @@ bool PrefetchPipeline::planner_has_work() const {
          !prefetch_log_.empty();
 }
 
+// Note [Two-level prefetch]: the planner looks ahead at two distances, as ZeRO-Infinity does
+// (NVMe -> pinned, pinned -> GPU). The device window is the run of steps, from the first one not
+// ended, whose distinct device-tier tensors fit the device budget (and host-tier ones the host
+// budget); each of its steps' uses is prefetched to its own tier, once, in order. Beyond it the
+// steps go on at the host level: their device-tier tensors that are read (and not written by an
+// unfinished earlier step) are staged on the host tier, NVMe -> host, while the host window fits
+// the host budget. The host window counts the host-tier uses, every tensor the schedule writes
+// (its write-back lands on the host, or it lives there), the device window's read tensors (a
+// staged tensor keeps its host copy once it is on the device, and its next use is near) and the
+// staged ones. A staging is speculative (Runtime::stage): it only drops clean copies that the
+// schedule's farthest-next-use policy ranks after the staged tensor, never writes anything back
+// and never waits; when that finds no room it is tried again when a step ends or begins. With
+// that policy a staged tensor is nearer than anything an ended step used, so it is never the host
+// tier's first victim. When the device window moves on, its next tensor needs only the host ->
+// device copy (the runtime waits for a staging still landing rather than read NVMe twice), and
+// NVMe reads go on while the device is full. A tensor already on the device or the host is not
+// staged. Both levels stop at the iteration's end when across_iterations is off, and
+// fixed_lookahead steps ahead in Fixed mode; None stages nothing.
 void PrefetchPipeline::plan() {
   const double budget =
       static_cast<double>(rt_.backend().info().budget_bytes) * options_.budget_fraction;
@@ -284,14 +324,22 @@ void PrefetchPipeline::plan() {
     drained_.notify_all();  // drain() sees the request taken (the lock is held until issuing_)
     const std::size_t n = schedule_.size();
     const std::size_t current = cursor_.load();
-    // The window: steps from the current one on whose distinct tensors fit the budget.
-    std::unordered_set<TensorId> window, host_window;
+    // The first step not ended: a step whose leases have ended no longer holds the window.
+    const std::size_t start = std::max(current, completed_);
+    // The device window: steps from `start` on whose distinct tensors fit the budgets.
+    std::unordered_set<TensorId> window, host_window, window_read;
     std::uint64_t window_bytes = 0, host_window_bytes = 0;
-    std::vector<std::pair<TensorId, Tier>> issue;
+    struct Issue {
+      TensorId tensor;
+      Tier tier;
+      std::size_t step;  // kNever for a held-back prefetch
+      bool staged;       // a device-tier tensor brought to the host ahead of the device window
+    };
+    std::vector<Issue> issue;
     // Held-back prefetches whose writer has ended go first.
     std::erase_if(deferred_, [&](const Deferred& d) {
       if (d.writer >= completed_) return false;
-      issue.emplace_back(d.tensor, d.tier);
+      issue.push_back({d.tensor, d.tier, Schedule::kNever, false});
       return true;
     });
     // The latest unfinished step before `j` that writes `tensor`, or kNever.
@@ -301,10 +349,13 @@ void PrefetchPipeline::plan() {
           if (u.tensor == tensor && u.use != Use::Read) return k;
       return Schedule::kNever;
     };
-    std::size_t last = current;
-    const std::size_t window_end = options_.across_iterations ? current + n : (current / n + 1) * n;
-    for (std::size_t j = current; j < window_end; ++j) {
-      if (options_.prefetch == PrefetchMode::Fixed && j > current + options_.fixed_lookahead) break;
+    const std::size_t window_end = options_.across_iterations ? start + n : (current / n + 1) * n;
+    const auto beyond_fixed = [&](std::size_t j) {
+      return options_.prefetch == PrefetchMode::Fixed && j > start + options_.fixed_lookahead;
+    };
+    std::size_t last = start;
+    std::size_t j = start;
+    for (; j < window_end && !beyond_fixed(j); ++j) {
       std::vector<TensorId> fresh, fresh_host;
       std::uint64_t fresh_bytes = 0, fresh_host_bytes = 0;
       for (const TensorUse& u : schedule_.steps()[j % n].uses) {
@@ -322,6 +373,8 @@ void PrefetchPipeline::plan() {
       window_bytes += fresh_bytes;
       host_window.insert(fresh_host.begin(), fresh_host.end());
       host_window_bytes += fresh_host_bytes;
+      for (const TensorUse& u : schedule_.steps()[j % n].uses)
+        if (u.tier == Tier::Device && u.use != Use::Write) window_read.insert(u.tensor);
       last = j;
       // Every step of the schedule is issued once, in order, even one that has just begun (the
       // prefetch then joins its load): the order does not depend on how the threads interleave.
@@ -333,37 +386,106 @@ void PrefetchPipeline::plan() {
             deferred_.push_back({u.tensor, u.tier, writer});
             ++stats_.deferred;
           } else {
-            issue.emplace_back(u.tensor, u.tier);
+            issue.push_back({u.tensor, u.tier, j, false});
           }
         }
         next_to_issue_ = j + 1;
       }
     }
+    // The host level, from the first step the device window could not take.
+    std::unordered_set<TensorId> host_level = host_window;
+    std::uint64_t host_level_bytes = host_window_bytes, staged_bytes = 0;
+    const auto hold = [&](TensorId t) {
+      if (host_level.insert(t).second) host_level_bytes += rt_.describe(t).bytes;
+    };
+    for (TensorId t : written_)
+      hold(t);
+    for (TensorId t : window_read)
+      hold(t);
+    std::size_t host_last = last;
+    for (; j < window_end && !beyond_fixed(j) && options_.prefetch != PrefetchMode::None; ++j) {
+      const std::vector<TensorUse>& uses = schedule_.steps()[j % n].uses;
+      std::vector<const TensorUse*> fresh;  // uses whose tensors enter the host window here
+      std::uint64_t fresh_bytes = 0;
+      for (const TensorUse& u : uses) {
+        if (u.tier == Tier::Device && u.use == Use::Write) continue;  // nothing comes to the host
+        if (host_level.contains(u.tensor) ||
+            std::any_of(fresh.begin(), fresh.end(),
+                        [&](const TensorUse* f) { return f->tensor == u.tensor; }))
+          continue;
+        fresh.push_back(&u);
+        fresh_bytes += rt_.describe(u.tensor).bytes;
+      }
+      if (static_cast<double>(host_level_bytes + fresh_bytes) > host_budget) break;
+      for (const TensorUse* u : fresh) {
+        host_level.insert(u->tensor);
+        if (u->tier == Tier::Device) staged_bytes += rt_.describe(u->tensor).bytes;
+      }
+      host_level_bytes += fresh_bytes;
+      host_last = j;
+      // Staged once, in order, and never after its step was issued at the device level.
+      if (j >= next_to_stage_ && j >= next_to_issue_) {
+        for (const TensorUse* u : fresh)
+          if (u->tier == Tier::Device && pending_writer(u->tensor, j) == Schedule::kNever)
+            issue.push_back({u->tensor, Tier::Host, j, true});
+        next_to_stage_ = j + 1;
+      }
+    }
     stats_.max_window_bytes = std::max(stats_.max_window_bytes, window_bytes);
-    stats_.max_host_window_bytes = std::max(stats_.max_host_window_bytes, host_window_bytes);
-    stats_.max_lookahead_steps = std::max(stats_.max_lookahead_steps, last - current);
+    stats_.max_host_window_bytes =
+        std::max(stats_.max_host_window_bytes, host_window_bytes + staged_bytes);
+    stats_.max_lookahead_steps = std::max(stats_.max_lookahead_steps, last - start);
+    stats_.max_host_lookahead_steps = std::max(stats_.max_host_lookahead_steps, host_last - start);
     if (issue.empty()) continue;
     const std::size_t log_index = prefetch_log_.size() - 1;  // the log may grow meanwhile
     issuing_ = true;
     lock.unlock();
-    std::size_t issued = 0;
-    for (const auto& [tensor, tier] : issue) {
+    std::vector<bool> done(issue.size(), false);
+    bool device_failed = false, host_failed = false;
+    std::size_t restage_from = Schedule::kNever;
+    for (std::size_t i = 0; i < issue.size(); ++i) {
+      const Issue& e = issue[i];
+      if (e.staged) {
+        if (host_failed) {
+          restage_from = std::min(restage_from, e.step);
+          continue;
+        }
+        // Already on the device (or on its way there) or on the host: nothing to stage.
+        if (rt_.resident(e.tensor, Tier::Device) || rt_.resident(e.tensor, Tier::Host)) continue;
+        try {
+          done[i] = rt_.stage(e.tensor, Tier::Host);
+        } catch (const Error&) {
+          done[i] = false;
+        }
+        if (!done[i]) {
+          host_failed = true;  // no room on the host now: staged again from this step
+          restage_from = std::min(restage_from, e.step);
+        }
+        continue;
+      }
+      if (device_failed) continue;
       try {
-        rt_.prefetch(tensor, tier);
-        ++issued;
+        rt_.prefetch(e.tensor, e.tier);
+        done[i] = true;
       } catch (const Error&) {
-        break;  // no room right now (leases): retried when the cursor moves
+        device_failed = true;  // no room right now (leases): retried when a step ends or begins
       }
     }
     lock.lock();
     issuing_ = false;
     drained_.notify_all();
-    for (std::size_t i = 0; i < issued; ++i)
-      prefetch_log_[log_index].push_back(issue[i].first);
-    stats_.prefetches += issued;
-    if (issued < issue.size()) {
-      next_to_issue_ = std::min(next_to_issue_, current + 1);  // again when the next step begins
+    for (std::size_t i = 0; i < issue.size(); ++i) {
+      if (!done[i]) continue;
+      if (issue[i].staged) {
+        host_prefetch_log_[log_index].push_back(issue[i].tensor);
+        ++stats_.host_prefetches;
+      } else {
+        prefetch_log_[log_index].push_back(issue[i].tensor);
+        ++stats_.prefetches;
+      }
     }
+    if (device_failed) next_to_issue_ = std::min(next_to_issue_, current + 1);
+    if (host_failed) next_to_stage_ = std::min(next_to_stage_, restage_from);
   }
 }
 
@@ -411,6 +533,11 @@ PipelineStats PrefetchPipeline::stats() const {
 std::vector<std::vector<TensorId>> PrefetchPipeline::prefetch_log() const {
   std::lock_guard lock(mutex_);
   return prefetch_log_;
+}
+
+std::vector<std::vector<TensorId>> PrefetchPipeline::host_prefetch_log() const {
+  std::lock_guard lock(mutex_);
+  return host_prefetch_log_;
 }
 
 }  // namespace strata

@@ -429,5 +429,98 @@ TEST_F(PrefetchPipelineTest, APacedLinkStaysBusy) {
   EXPECT_LT(back_to_back(), prefetched);
 }
 
+// Two-level prefetch: layers of 256 KiB homed on NVMe, a device that holds one and a half (its
+// window is the current layer only) and a host tier that holds four and a half, over a paced link.
+// While a step runs, once the planner is idle (drain), the next layers are on the host tier
+// (landed or landing) exactly as far ahead as the host budget allows: the window's own layer
+// (its host copy) and three staged beyond it fill four of the four and a half. None stages
+// nothing; Fixed stops at its lookahead; without across_iterations nothing of the next iteration
+// is staged. Every layer is read from NVMe once a pass: its device copy comes from the staged one.
+TEST_F(PrefetchPipelineTest, BeyondTheDeviceWindowTheNextLayersAreStagedOnTheHost) {
+  Budgets b;
+  b.device = 384 * KiB;
+  b.host = 4 * 64 * KiB + 1 * MiB + 128 * KiB;  // staging, then four layers and a half
+  auto o = small_options(dir_.path(), b);
+  o.backend.link_gbps = 1.0;  // host -> device copies go over a link, NVMe reads stage
+  rt_ = std::make_unique<Runtime>(o);
+  const std::size_t n = 8, bytes = 256 * KiB;
+  for (std::size_t i = 0; i < n; ++i) {
+    data_.push_back(pattern(bytes, static_cast<unsigned>(i)));
+    layers_.push_back(rt_->create_tensor(desc("layer" + std::to_string(i), bytes), Tier::Nvme,
+                                         data_.back().data()));
+  }
+  Schedule order;
+  for (std::size_t i = 0; i < n; ++i)
+    order.append({"layer" + std::to_string(i), {{layers_[i], Use::Read}}});
+
+  // Cold passes; in each step, the planner idle, layer k > s is on the host iff k <= s + ahead,
+  // and never on the device (the device holds the current layer only).
+  auto passes = [&](PrefetchPipeline& p, std::size_t ahead, const char* what) {
+    for (int r = 0; r < 2; ++r) {
+      const std::uint64_t read0 = rt_->io()->stats().bytes_read;
+      p.begin_iteration();
+      for (std::size_t s = 0; s < n; ++s) {
+        StepLeases in = p.begin_step("layer" + std::to_string(s), {{layers_[s], Use::Read}});
+        p.drain();  // the planner has issued all it will while this step runs
+        for (std::size_t k = s + 1; k < n; ++k) {
+          ASSERT_EQ(rt_->resident(layers_[k], Tier::Host), k <= s + ahead)
+              << what << ": pass " << r << ", during step " << s << ", layer " << k;
+          ASSERT_FALSE(rt_->resident(layers_[k], Tier::Device))
+              << what << ": pass " << r << ", during step " << s << ", layer " << k;
+        }
+        ASSERT_EQ(leased_bytes(in[0]), data_[s]) << what << ": pass " << r << ", step " << s;
+        p.end_step(std::move(in));
+      }
+      p.end_iteration();
+      p.drain();
+      rt_->synchronize();
+      EXPECT_EQ(rt_->io()->stats().bytes_read - read0, n * bytes)
+          << what << ": pass " << r << " did not read every layer from NVMe exactly once";
+      for (TensorId t : layers_) {
+        rt_->evict(t, Tier::Device);
+        rt_->evict(t, Tier::Host);
+      }
+    }
+  };
+  {
+    PipelineOptions po;
+    po.across_iterations = false;
+    PrefetchPipeline p(*rt_, po);
+    p.set_schedule(order);
+    ASSERT_NO_FATAL_FAILURE(passes(p, 3, "auto"));
+    // Each pass staged its own layers 1..7 (layer 0 goes straight to the device), once, in order:
+    // nothing of the next pass.
+    const std::vector<TensorId> staged(layers_.begin() + 1, layers_.end());
+    const auto log = p.host_prefetch_log();
+    ASSERT_EQ(log.size(), 2u);
+    for (const auto& l : log)
+      EXPECT_EQ(l, staged);
+    const PipelineStats st = p.stats();
+    EXPECT_EQ(st.host_prefetches, 2 * (n - 1));
+    EXPECT_EQ(st.max_host_lookahead_steps, 3u);
+    EXPECT_EQ(st.max_lookahead_steps, 0u);
+    EXPECT_LE(st.max_host_window_bytes, rt_->tier_stats(Tier::Host).capacity_bytes);
+  }
+  {
+    PipelineOptions po;
+    po.across_iterations = false;
+    po.prefetch = PrefetchMode::Fixed;
+    po.fixed_lookahead = 1;
+    PrefetchPipeline p(*rt_, po);
+    p.set_schedule(order);
+    ASSERT_NO_FATAL_FAILURE(passes(p, 1, "fixed 1"));
+  }
+  {
+    PipelineOptions po;
+    po.prefetch = PrefetchMode::None;
+    PrefetchPipeline p(*rt_, po);
+    p.set_schedule(order);
+    ASSERT_NO_FATAL_FAILURE(passes(p, 0, "none"));
+    EXPECT_EQ(p.stats().host_prefetches, 0u);
+    EXPECT_EQ(p.stats().prefetches, 0u);
+  }
+  EXPECT_LE(rt_->tier_stats(Tier::Device).peak_bytes, b.device);
+}
+
 }  // namespace
 }  // namespace strata::testing

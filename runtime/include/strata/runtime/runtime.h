@@ -163,6 +163,13 @@ class Runtime {
   LeaseFuture acquire(TensorId tensor, Tier tier, Access access);
   /// Starts moving the tensor to `tier` and returns (making room may evict first).
   void prefetch(TensorId tensor, Tier tier);
+  /// A speculative prefetch (staging ahead, e.g. NVMe -> host before the device has room): starts
+  /// moving the tensor to `tier` (Device or Host) only if room can be made there by dropping
+  /// clean copies that the eviction policy would give up before this one, never by a write-back
+  /// and never by waiting. Returns true when the move started; false, having moved nothing, when
+  /// it did not (no such room now, or the tensor is already on `tier` or a faster one, or on its
+  /// way there).
+  bool stage(TensorId tensor, Tier tier);
   /// Demotes: writes the copy on `tier` back below if it is the newest, then drops it. Blocks.
   /// Returns true when a write-back happened (false: the copy was clean, or not there).
   bool evict(TensorId tensor, Tier tier);

@@ -20,15 +20,16 @@
 namespace strata {
 
 enum class PrefetchMode {
-  None,   ///< fetch on demand when a step begins
-  Auto,   ///< as far ahead as the budget allows, as early as the measured links require
-  Fixed,  ///< a fixed lookahead of `fixed_lookahead` steps (for comparison)
+  None,   ///< fetch on demand when a step begins: nothing is prefetched, at either level
+  Auto,   ///< as far ahead as the budgets allow (device window, then host staging beyond it)
+  Fixed,  ///< a fixed lookahead of `fixed_lookahead` steps, at both levels (for comparison)
 };
 
 struct PipelineOptions {
   PrefetchMode prefetch = PrefetchMode::Auto;
   std::size_t fixed_lookahead = 2;
-  /// Fraction of the device budget the prefetch window's working set may take (0 < f <= 1).
+  /// Fraction of the device budget the prefetch window's working set may take, and of the host
+  /// tier's capacity the host window's (0 < f <= 1).
   double budget_fraction = 1.0;
   /// On the write-back thread, overlapping with later steps: a tensor written on the device and
   /// not used on the device again this iteration goes down to the host (a gradient the CPU
@@ -51,21 +52,25 @@ struct PipelineOptions {
 
 struct PipelineStats {
   std::uint64_t steps = 0;
-  std::uint64_t divergences = 0;            ///< steps that differed from the recorded trace
-  std::uint64_t resyncs = 0;                ///< divergences resolved by finding the step further on
-  std::uint64_t on_demand = 0;              ///< steps served without the trace
-  std::uint64_t prefetches = 0;             ///< prefetch requests issued
-  std::uint64_t ready_at_begin = 0;         ///< step inputs already resident or arriving at begin
-  std::uint64_t inputs = 0;                 ///< step inputs in all
-  std::uint64_t write_backs = 0;            ///< evictions issued by the write-back thread
-  std::uint64_t discards = 0;               ///< dead tensors discarded (discard_dead)
-  std::uint64_t deferred = 0;               ///< prefetches held back until their writer ended
-  std::uint64_t max_window_bytes = 0;       ///< the largest prefetch working set (<= the budget)
-  std::uint64_t max_host_window_bytes = 0;  ///< the same for host-tier uses
-  std::size_t max_lookahead_steps = 0;
-  double measured_gbps = 0;                ///< bytes into the device per second while moving
-  double compute_s_per_step = 0;           ///< mean time between begin_step and end_step
-  std::size_t needed_lookahead_steps = 0;  ///< transfer time per step / compute time per step
+  std::uint64_t divergences = 0;       ///< steps that differed from the recorded trace
+  std::uint64_t resyncs = 0;           ///< divergences resolved by finding the step further on
+  std::uint64_t on_demand = 0;         ///< steps served without the trace
+  std::uint64_t prefetches = 0;        ///< prefetch requests issued (each use at its tier)
+  std::uint64_t host_prefetches = 0;   ///< device-tier tensors staged on the host ahead
+  std::uint64_t ready_at_begin = 0;    ///< step inputs already resident or arriving at begin
+  std::uint64_t inputs = 0;            ///< step inputs in all
+  std::uint64_t write_backs = 0;       ///< evictions issued by the write-back thread
+  std::uint64_t discards = 0;          ///< dead tensors discarded (discard_dead)
+  std::uint64_t deferred = 0;          ///< prefetches held back until their writer ended
+  std::uint64_t max_window_bytes = 0;  ///< the largest prefetch working set (<= the budget)
+  /// The same for the host tier: host-tier uses, the device window's tensors (their host copies)
+  /// and the tensors staged beyond it (<= the host budget).
+  std::uint64_t max_host_window_bytes = 0;
+  std::size_t max_lookahead_steps = 0;       ///< device window: steps past the first unfinished
+  std::size_t max_host_lookahead_steps = 0;  ///< host staging: steps past the first unfinished
+  double measured_gbps = 0;                  ///< bytes into the device per second while moving
+  double compute_s_per_step = 0;             ///< mean time between begin_step and end_step
+  std::size_t needed_lookahead_steps = 0;    ///< transfer time per step / compute time per step
 };
 
 /// The leases of one step's inputs.
@@ -95,6 +100,11 @@ class StepLeases {
 ///   them. A planner thread prefetches the next steps' tensors, with the schedule's
 ///   farthest-next-use eviction, and never lets the window's working set exceed the budget
 ///   (device uses against the device budget, host uses against the host budget).
+/// - Two prefetch distances (Note [Two-level prefetch]): beyond the device window, the next
+///   steps' device-tier tensors are staged on the host tier (NVMe -> host) as far ahead as the
+///   host budget allows, so that when room frees on the device only the host -> device copy
+///   remains. The planner looks again whenever a step begins or ends; a step that has ended no
+///   longer holds the window, so the next device prefetch is issued as its leases end.
 /// - Write uses are write-discard: nothing is prefetched for them. A use of a tensor that an
 ///   earlier, unfinished step of the window writes (on any tier) is prefetched only once that
 ///   step has ended: a prefetch never fetches bytes about to become stale.
@@ -128,6 +138,9 @@ class PrefetchPipeline {
   [[nodiscard]] PipelineStats stats() const;
   /// Tensors in the order the planner prefetched them, per iteration (tests, tools).
   [[nodiscard]] std::vector<std::vector<TensorId>> prefetch_log() const;
+  /// Device-tier tensors in the order the planner staged them on the host tier ahead of the
+  /// device window, per iteration (tests, tools).
+  [[nodiscard]] std::vector<std::vector<TensorId>> host_prefetch_log() const;
 
  private:
   struct Oracle;
@@ -135,6 +148,7 @@ class PrefetchPipeline {
   [[nodiscard]] bool planner_has_work() const;  // mutex_ held
   void write_back_loop();
   void publish_schedule();
+  void update_open();  // mutex_ held: open_ after cursor_ or completed_ moved
   /// After global step `step`, is `tensor`'s next use (cyclic) a pure Write?
   [[nodiscard]] bool dead_after(TensorId tensor, std::size_t step) const;
 
@@ -148,8 +162,12 @@ class PrefetchPipeline {
   std::condition_variable drained_;  // write-backs done
   std::size_t iteration_ = 0;
   std::atomic<std::size_t> cursor_{0};  ///< global step index: iteration * N + step
-  bool started_ = false;                // a step of this iteration has begun
-  std::size_t next_to_issue_ = 0;       ///< global step whose tensors the planner issues next
+  /// The first global step that has not ended (max of cursor_ and completed_): the eviction
+  /// policy's "now", so that a step's tensors are far once it has ended.
+  std::atomic<std::size_t> open_{0};
+  bool started_ = false;           // a step of this iteration has begun
+  std::size_t next_to_issue_ = 0;  ///< global step whose tensors the planner issues next
+  std::size_t next_to_stage_ = 0;  ///< global step whose device tensors it stages next
   struct WriteBack {
     TensorId tensor;
     Tier tier;
@@ -161,8 +179,9 @@ class PrefetchPipeline {
   };
   std::deque<WriteBack> write_back_queue_;
   std::vector<Deferred> deferred_;
-  std::size_t completed_ = 0;   ///< global steps before this one have ended
-  bool host_pressure_ = false;  ///< the schedule's host working set exceeds the host budget
+  std::size_t completed_ = 0;      ///< global steps before this one have ended
+  bool host_pressure_ = false;     ///< the schedule's host working set exceeds the host budget
+  std::vector<TensorId> written_;  ///< tensors the schedule writes: room held for them on the host
   std::size_t write_backs_in_flight_ = 0;
   std::exception_ptr last_write_back_error_;  ///< the first failure since end_iteration
   bool stopping_ = false;
@@ -170,6 +189,7 @@ class PrefetchPipeline {
   bool issuing_ = false;         // the planner is calling the runtime, the lock released
   PipelineStats stats_;
   std::vector<std::vector<TensorId>> prefetch_log_;
+  std::vector<std::vector<TensorId>> host_prefetch_log_;
   std::uint64_t last_step_ns_ = 0;
   std::uint64_t step_begin_ns_ = 0;
   std::uint64_t device_bytes_in_at_begin_ = 0;
