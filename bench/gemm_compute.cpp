@@ -98,22 +98,27 @@ GemmShape gemm_shape(std::size_t layer_bytes, std::size_t m, std::size_t n, std:
   return {m, n, k};
 }
 
-std::size_t calibrate_gemm_m(GemmShape shape, const std::byte* weights, double target_s) {
+std::size_t calibrate_gemm_m(GemmShape shape, const std::vector<const std::byte*>& weights,
+                             double target_s) {
   constexpr std::size_t kMaxM = 1 << 16;
-  const auto* w = reinterpret_cast<const float*>(weights);
+  STRATA_EXPECTS(!weights.empty(), "calibrate_gemm_m: no weights");
+  std::size_t next_weights = 0;
   std::vector<float> a, c;
   auto time_m = [&](std::size_t m) {
     shape.m = m;
     a.resize(m * shape.k);
     c.resize(m * shape.n);
     fill_activation(a, shape.k);
-    double best = 1e30;
-    for (int i = 0; i < 3; ++i) {  // warm (the first call starts OpenBLAS's threads), best of 3
+    sgemm(shape, a.data(), reinterpret_cast<const float*>(weights[0]), c.data());  // threads up
+    std::vector<double> t;
+    for (int i = 0; i < 5; ++i) {
+      const auto* w = reinterpret_cast<const float*>(weights[next_weights++ % weights.size()]);
       const auto start = Clock::now();
       sgemm(shape, a.data(), w, c.data());
-      best = std::min(best, seconds_since(start));
+      t.push_back(seconds_since(start));
     }
-    return best;
+    std::nth_element(t.begin(), t.begin() + 2, t.end());
+    return t[2];  // the median
   };
   std::size_t m = 16;
   for (int i = 0; i < 5; ++i) {

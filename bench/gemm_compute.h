@@ -31,9 +31,12 @@ struct GemmShape {
 /// too large to be checked exactly.
 GemmShape gemm_shape(std::size_t layer_bytes, std::size_t m, std::size_t n, std::size_t k);
 
-/// The m whose GEMM on `weights` takes about `target_s` (measured here, warm; at least 1): a
-/// fixed-point iteration on m · target / t(m), which converges as t(m) = a + b·m with a >= 0.
-std::size_t calibrate_gemm_m(GemmShape shape, const std::byte* weights, double target_s);
+/// The m whose GEMM takes about `target_s` (at least 1), timed here on `weights` in turn (give
+/// layers that together exceed the last-level cache, so that B comes from memory as a streamed
+/// layer's does): a fixed-point iteration on m · target / t(m), which converges as
+/// t(m) = a + b·m with a >= 0.
+std::size_t calibrate_gemm_m(GemmShape shape, const std::vector<const std::byte*>& weights,
+                             double target_s);
 
 /// OpenBLAS's thread count (it reads OPENBLAS_NUM_THREADS at start).
 int blas_threads();
