@@ -8,6 +8,7 @@
 
 #include "backends.h"
 #include "strata/io/error.h"
+#include "strata/io/memory_limits.h"
 #include "strata/io/units.h"
 
 namespace strata::detail {
