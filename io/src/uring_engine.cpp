@@ -27,6 +27,7 @@
 #include <mutex>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "engines.h"
@@ -154,11 +155,13 @@ class UringEngine final : public IoEngine {
   }
 
   void do_submit(std::unique_ptr<Pending> pending) override {
+    bool wake_engine = false;
     {
       std::lock_guard lock(mutex_);
       incoming_.push_back(pending.release());
+      wake_engine = std::exchange(wake_needed_, false);  // Note [Waking the engine]
     }
-    wake();
+    if (wake_engine) wake();
   }
   void do_register_buffer(const RegisteredBuffer& b) override {
     control({Control::Kind::RegisterBuffer,
@@ -213,6 +216,12 @@ class UringEngine final : public IoEngine {
       fill();
       if (stopping && queue_.empty() && retry_.empty() && in_flight_ == 0) break;
       unsubmitted_ = 0;
+      // Note [Waking the engine]: a request that arrived since take_incoming() is taken now.
+      if (!may_sleep()) {
+        io_uring_submit(&ring_);
+        reap();
+        continue;
+      }
       const int rc = io_uring_submit_and_wait(&ring_, 1);
       if (rc < 0 && rc != -EINTR && rc != -EAGAIN && rc != -EBUSY && rc != -ETIME) {
         std::fprintf(stderr, "strata: io_uring_submit_and_wait failed: %s\n", std::strerror(-rc));
@@ -220,6 +229,21 @@ class UringEngine final : public IoEngine {
       reap();
     }
     io_uring_queue_exit(&ring_);
+  }
+
+  // Note [Waking the engine]
+  // ~~~~~~~~~~~~~~~~~~~~~~~~~
+  // A submitter wakes the engine (an eventfd write, whose armed read completes in the ring) only
+  // when the engine may wait without it: nothing in flight, or a ring slot free that the new
+  // request could take at once. When every slot is busy, the next completion wakes the engine,
+  // and it takes the new requests then; a sequential stream kept 2 x qd deep at 512 KiB no
+  // longer pays an eventfd write and an engine wake-up per request. Decided under mutex_ just
+  // before the engine sleeps, so a request is either seen by it or wakes it.
+  bool may_sleep() {
+    std::lock_guard lock(mutex_);
+    if (!incoming_.empty() || !controls_.empty() || stopping_) return false;
+    wake_needed_ = in_flight_ == 0 || !free_slots_.empty() || !retry_.empty();
+    return true;
   }
 
   // Moves new requests and controls in; returns true once the engine is asked to stop.
@@ -477,6 +501,7 @@ class UringEngine final : public IoEngine {
   std::vector<Pending*> incoming_;
   std::vector<Control> controls_;
   bool stopping_ = false;
+  bool wake_needed_ = true;  // the engine may sleep without a wake-up from a submitter
   int wake_fd_ = -1;
 
   // engine thread only (describe() reads the setup facts after start-up)
