@@ -92,12 +92,6 @@ void baseline_step(const optim::AdamArgs& a) {
                     });
 }
 
-double median(std::vector<double> xs) {
-  std::sort(xs.begin(), xs.end());
-  const std::size_t k = xs.size() / 2;
-  return xs.size() % 2 == 1 ? xs[k] : 0.5 * (xs[k - 1] + xs[k]);
-}
-
 void run(const Args& args) {
   const std::size_t n = args.params;
   STRATA_EXPECTS(n >= 1024, "--params: at least 1024");

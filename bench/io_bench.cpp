@@ -357,11 +357,6 @@ void run(const Args& args) {
     for (const auto& n : names)
       std::filesystem::remove(n);
 
-  auto median = [](std::vector<double> v) {
-    if (v.empty()) return 0.0;
-    std::sort(v.begin(), v.end());
-    return v.size() % 2 == 1 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
-  };
   auto field = [](const std::vector<Sample>& runs, double Sample::*f) {
     std::vector<double> out;
     for (const Sample& r : runs)
