@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "strata/io/error.h"
+#include "strata/io/memory_limits.h"
 #include "strata/io/pages.h"
 
 extern char** environ;
@@ -97,11 +98,9 @@ std::size_t read_count(const char* path) {
   return in >> value ? value : 0;
 }
 
+// 2 MiB hugetlb pages free for a new mapping (HugePages_Free less HugePages_Rsvd).
 std::size_t hugepages_free() {
-  std::ifstream in("/proc/meminfo");
-  for (std::string line; std::getline(in, line);)
-    if (line.rfind("HugePages_Free:", 0) == 0) return std::stoull(line.substr(15));
-  return 0;
+  return read_memory_limits().hugetlb_free_bytes / kHugePageBytes;
 }
 
 bool write_count(std::size_t value) {
