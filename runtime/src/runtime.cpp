@@ -352,15 +352,22 @@ struct Runtime::Impl {
     return moved;
   }
 
+  // Places t's copy on `tier` from free space, compacting when the free bytes would hold it but
+  // no free block does; false when only evictions can make room.
+  bool place(TensorState& t, Tier tier) {
+    for (;;) {
+      if (try_alloc(t, tier)) return true;
+      MemoryPool* p = pool(tier);
+      if (p == nullptr || p->stats().free_bytes < align_up(t.desc.bytes, kPageBytes) ||
+          !compact(tier, t.desc.bytes))
+        return false;
+    }
+  }
+
   // Makes space for t's copy on `tier`; may evict (with write-backs) and block.
   void make_room(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier) {
     for (;;) {
-      if (try_alloc(t, tier)) return;
-      if (MemoryPool* p = pool(tier)) {
-        const PoolStats s = p->stats();
-        if (s.free_bytes >= align_up(t.desc.bytes, kPageBytes) && compact(tier, t.desc.bytes))
-          continue;
-      }
+      if (place(t, tier)) return;
       // Copies still landing are shown to the policy too: if it would rather evict one of those,
       // wait for it to land; otherwise evict its choice now, without waiting for the link.
       auto candidates = evictable(tier, t);
@@ -412,12 +419,7 @@ struct Runtime::Impl {
       below_current = below_current || t.current(static_cast<Tier>(i));
     if (!below_current) return false;
     for (;;) {
-      if (try_alloc(t, tier)) break;
-      if (MemoryPool* p = pool(tier)) {
-        const PoolStats s = p->stats();
-        if (s.free_bytes >= align_up(t.desc.bytes, kPageBytes) && compact(tier, t.desc.bytes))
-          continue;
-      }
+      if (place(t, tier)) break;
       auto candidates = evictable(tier, t);
       std::erase_if(candidates, [&](TensorState* c) { return dirty(*c, tier); });
       if (candidates.empty()) return false;
