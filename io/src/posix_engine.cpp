@@ -11,6 +11,7 @@
 
 #include "engines.h"
 #include "strata/io/error.h"
+#include "strata/io/thread_name.h"
 #include "strata/io/units.h"
 
 namespace strata::detail {
@@ -91,6 +92,7 @@ class PosixEngine final : public IoEngine {
   }
 
   void work() {
+    name_this_thread("io");
     std::unique_lock lock(mutex_);
     for (;;) {
       wake_.wait(lock, [this] { return stopping_ || !queue_.empty(); });

@@ -32,6 +32,7 @@
 
 #include "engines.h"
 #include "strata/io/error.h"
+#include "strata/io/thread_name.h"
 #include "strata/io/units.h"
 
 namespace strata::detail {
@@ -189,6 +190,7 @@ class UringEngine final : public IoEngine {
   // ---- everything below runs on the engine thread ----
 
   void run(std::promise<void>& started) {
+    name_this_thread("io");
     const unsigned entries = options().queue_depth + 2;  // chunks + the wake-up read
     const RingSetup setup = setup_ring(&ring_, entries, options().sqpoll);
     if (setup.rc < 0) {

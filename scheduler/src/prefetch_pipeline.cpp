@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "strata/io/error.h"
+#include "strata/io/thread_name.h"
 
 namespace strata {
 namespace {
@@ -312,6 +313,7 @@ bool PrefetchPipeline::planner_has_work() const {
 // staged. Both levels stop at the iteration's end when across_iterations is off, and
 // fixed_lookahead steps ahead in Fixed mode; None stages nothing.
 void PrefetchPipeline::plan() {
+  name_this_thread("plan");
   const double budget =
       static_cast<double>(rt_.backend().info().budget_bytes) * options_.budget_fraction;
   const double host_budget =
@@ -490,6 +492,7 @@ void PrefetchPipeline::plan() {
 }
 
 void PrefetchPipeline::write_back_loop() {
+  name_this_thread("write-back");
   std::unique_lock lock(mutex_);
   for (;;) {
     wake_.wait(lock, [&] { return stopping_ || !write_back_queue_.empty(); });

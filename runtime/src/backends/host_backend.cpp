@@ -12,6 +12,7 @@
 
 #include "backends.h"
 #include "strata/io/error.h"
+#include "strata/io/thread_name.h"
 
 namespace strata::detail {
 namespace {
@@ -173,6 +174,7 @@ class HostStream final : public Stream {
   }
 
   void run() {
+    name_this_thread(name());
     std::unique_lock lock(mutex_);
     for (;;) {
       wake_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
