@@ -225,7 +225,8 @@ std::uint64_t generate_model(const std::string& path, int layers, int hidden, DT
   safetensors::Writer w(path, specs,
                         {{"format", "strata-mlp"},
                          {"generator", "stream_inference --generate"},
-                         {"seed", std::to_string(seed)}});
+                         {"seed", std::to_string(seed)}},
+                        kPageBytes);  // the data page-aligned: layers read in place (O_DIRECT)
   const std::size_t esize = dtype_bytes(dtype);
   const std::size_t chunk = std::max<std::size_t>(1, (4 * MiB) / (esize * hidden));  // rows
   std::vector<unsigned char> buf(chunk * hidden * esize);

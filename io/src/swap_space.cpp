@@ -240,6 +240,7 @@ void SwapSpace::add_ops(Transfer& t, const Extent& e, std::uint64_t offset, std:
     t.staging = take_staging(padded - direct_bytes);
     if (t.op == IoOp::Write) {
       std::memcpy(t.staging.data(), t.user + direct_bytes, bytes - direct_bytes);
+      bounced_bytes_.fetch_add(bytes - direct_bytes, std::memory_order_relaxed);
     } else {
       t.copy_from = 0;
       t.copy_at = direct_bytes;
@@ -376,8 +377,10 @@ void SwapSpace::start(std::shared_ptr<Transfer> t) {
         e.crcs[p.index] = ok ? tr.new_crcs[k] : 0;
       }
     } else if (!error) {
-      if (tr.copy_to_user > 0)
+      if (tr.copy_to_user > 0) {
         std::memcpy(tr.user + tr.copy_at, tr.staging.data() + tr.copy_from, tr.copy_to_user);
+        bounced_bytes_.fetch_add(tr.copy_to_user, std::memory_order_relaxed);
+      }
       for (const Piece& p : tr.pieces) {
         if (!p.whole_start || tr.crc_bytes[p.index] != p.bytes) continue;  // not written so
         const std::uint32_t got = crc32c(tr.user + p.at, p.bytes);

@@ -1474,6 +1474,7 @@ std::string Runtime::stats_json() const {
                  {"operations", io.operations},           {"resubmissions", io.resubmissions},
                  {"failed_requests", io.failed_requests}, {"bytes_read", io.bytes_read},
                  {"bytes_written", io.bytes_written}};
+    if (impl_->swap) out["io"]["bytes_bounced"] = impl_->swap->bounced_bytes();
   }
   return out.dump();
 }

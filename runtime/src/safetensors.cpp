@@ -315,8 +315,11 @@ Header read_header(const std::string& path) {
 // ---- Writer ----
 
 Writer::Writer(const std::string& path, std::vector<TensorSpec> tensors,
-               const std::map<std::string, std::string>& metadata)
+               const std::map<std::string, std::string>& metadata, std::uint64_t data_alignment)
     : path_(path) {
+  STRATA_EXPECTS(data_alignment >= 8 && (data_alignment & (data_alignment - 1)) == 0,
+                 "safetensors writer: data alignment ", data_alignment,
+                 " is not a power of two of at least 8");
   json header = json::object();
   if (!metadata.empty()) header[std::string(kMetadataKey)] = metadata;
   std::uint64_t offset = 0;
@@ -337,7 +340,8 @@ Writer::Writer(const std::string& path, std::vector<TensorSpec> tensors,
     offset += bytes;
   }
   std::string text = header.dump();
-  text.append((8 - (8 + text.size()) % 8) % 8, ' ');  // the data starts 8-byte aligned
+  // Spaces after the JSON (the format allows them) so that the data starts aligned.
+  text.append((data_alignment - (8 + text.size()) % data_alignment) % data_alignment, ' ');
   fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd_ < 0) throw IoError(Errc::io_error, path, 0, 0, errno, "create");
   unsigned char length[8];

@@ -3,8 +3,10 @@
 #include "strata/runtime/safetensors.h"
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <string>
 
@@ -177,6 +179,43 @@ TEST_F(SafetensorsFileTest, TheWriterRoundTripsAndTheRuntimeReadsUnalignedTensor
     EXPECT_EQ(leased_bytes(lease), data[i]) << specs[i].name;
   }
   EXPECT_GT(rt->io()->stats().bytes_read, 0u);  // through the io engine, not a page-cache copy
+}
+
+TEST_F(SafetensorsFileTest, PageAlignedDataIsReadInPlaceAndUnalignedDataThroughABounce) {
+  // Two files with the same tensors, whose sizes are page multiples: the library's 8-byte
+  // alignment puts them off the file's pages, 4 KiB alignment on them.
+  const std::vector<st::TensorSpec> specs = {{"w", DType::F32, {64, 1024}},
+                                             {"b", DType::BF16, {2048}}};
+  std::vector<std::vector<unsigned char>> data = {pattern(64 * 1024 * 4, 7), pattern(4096, 8)};
+  std::uint64_t bounced[2] = {0, 0}, tail = 0;
+  for (const std::uint64_t alignment : {std::uint64_t{8}, std::uint64_t{4096}}) {
+    const std::string path = dir_.file("a" + std::to_string(alignment) + ".safetensors");
+    {
+      st::Writer w(path, specs, {}, alignment);
+      for (const auto& d : data)
+        w.write(d.data(), d.size());
+      w.finish();
+    }
+    const st::Header h = st::read_header(path);
+    EXPECT_EQ(h.data_offset % alignment, 0u);
+    EXPECT_EQ(h.at("w").offset % 4096 == 0, alignment == 4096);
+    if (alignment == 8) tail = std::filesystem::file_size(path) % 4096;
+    auto rt = std::make_unique<Runtime>(small_options(dir_.path()));
+    const auto ids = st::map_file(*rt, path, h);
+    for (std::size_t i = 0; i < specs.size(); ++i) {
+      Lease lease = rt->acquire(ids.at(specs[i].name), Tier::Device, Access::Read).get();
+      EXPECT_EQ(leased_bytes(lease), data[i]) << specs[i].name << ", alignment " << alignment;
+    }
+    bounced[alignment == 4096] = rt->swap()->bounced_bytes();
+    EXPECT_EQ(nlohmann::json::parse(rt->stats_json())["io"]["bytes_bounced"],
+              bounced[alignment == 4096]);
+  }
+  // Unaligned: every byte copied once, but the file's last partial page (read buffered, into
+  // place). Aligned: none.
+  ASSERT_GT(tail, 0u);
+  EXPECT_EQ(bounced[0], data[0].size() + data[1].size() - tail);
+  EXPECT_EQ(bounced[1], 0u);  // none
+  EXPECT_THROW(st::Writer(dir_.file("x.safetensors"), specs, {}, 12), Error);
 }
 
 TEST_F(SafetensorsFileTest, ReadHeaderNamesTheFile) {

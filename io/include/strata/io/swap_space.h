@@ -2,6 +2,7 @@
 // directories (one per drive), plus read-only extents of existing files (model weights).
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <future>
@@ -83,6 +84,11 @@ class SwapSpace {
   /// Where an extent's bytes live, in order (for errors, tests and tools).
   [[nodiscard]] std::vector<ExtentPiece> pieces(ExtentId id) const;
   [[nodiscard]] RangeStats stats() const;
+  /// Bytes copied through page-aligned staging, ever: what an unaligned buffer or a mapped
+  /// tensor that does not start on a page of its file costs (one memcpy on the I/O thread).
+  [[nodiscard]] std::uint64_t bounced_bytes() const noexcept {
+    return bounced_bytes_.load(std::memory_order_relaxed);
+  }
   [[nodiscard]] const std::vector<std::string>& swap_files() const noexcept { return file_paths_; }
   [[nodiscard]] const SwapOptions& options() const noexcept { return options_; }
   [[nodiscard]] IoEngine& engine() noexcept { return engine_; }
@@ -111,6 +117,7 @@ class SwapSpace {
   PageBuffer take_staging(std::size_t bytes);
   void give_staging(PageBuffer buffer);
   static constexpr std::size_t kStagingPoolBytes = std::size_t{32} << 20;
+  std::atomic<std::uint64_t> bounced_bytes_{0};
 
   SwapOptions options_;
   IoEngine& engine_;

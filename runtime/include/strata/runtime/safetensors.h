@@ -67,12 +67,14 @@ struct TensorSpec {
 };
 
 /// Writes a safetensors file tensor by tensor, in the order given, never holding more than the
-/// caller's buffer: the header first (padded with spaces so the data starts 8-byte aligned),
-/// then each tensor's bytes as they come. Throws IoError naming the path on failure.
+/// caller's buffer: the header first (padded with spaces so the data starts `data_alignment`
+/// aligned: 8 bytes as the safetensors library writes, or 4 KiB so that O_DIRECT reads of a
+/// mapped tensor whose size is a page multiple land in place instead of through a bounce
+/// buffer), then each tensor's bytes as they come. Throws IoError naming the path on failure.
 class Writer {
  public:
   Writer(const std::string& path, std::vector<TensorSpec> tensors,
-         const std::map<std::string, std::string>& metadata = {});
+         const std::map<std::string, std::string>& metadata = {}, std::uint64_t data_alignment = 8);
   Writer(const Writer&) = delete;
   Writer& operator=(const Writer&) = delete;
   ~Writer();
