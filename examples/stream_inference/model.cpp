@@ -344,6 +344,10 @@ InferenceResult run_streamed(const InferenceConfig& c) {
   o.nvme.capacity_bytes = 64 * MiB;
   o.nvme.stripe_bytes = MiB;
   o.io.block_size = MiB;
+  // The model streams through a host tier smaller than it: a host copy kept on the way would be
+  // evicted before the next pass and cost a memcpy of every layer on the cores the GEMM uses.
+  // Layers staged ahead on the host (the planner's host prefetches) are host copies all the same.
+  o.host_copy_on_the_way = false;
   o.quiet = c.quiet;
   Runtime rt(o);
   STRATA_EXPECTS(rt.backend().info().host_addressable, "--backend ", c.backend,

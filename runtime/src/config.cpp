@@ -121,6 +121,8 @@ RuntimeOptions RuntimeOptions::from_json(std::string_view text) {
       o.staging_chunk_bytes = size_of(v, key);
     } else if (key == "staging_chunks") {
       o.staging_chunks = count_of(v, key);
+    } else if (key == "host_copy_on_the_way") {
+      o.host_copy_on_the_way = bool_of(v, key);
     } else if (key == "quiet") {
       o.quiet = bool_of(v, key);
     } else if (key == "nvme") {
@@ -173,7 +175,7 @@ RuntimeOptions RuntimeOptions::from_json(std::string_view text) {
       STRATA_FAIL(Errc::invalid_argument, key,
                   ": unknown key (known: backend, device_budget, host_budget, link_gbps, "
                   "device_ordinal, nvme, io, checksums, eviction, trace_events, staging_chunk, "
-                  "staging_chunks, quiet)");
+                  "staging_chunks, host_copy_on_the_way, quiet)");
     }
   }
   if (!o.nvme.paths.empty() && o.nvme.capacity_bytes == 0)

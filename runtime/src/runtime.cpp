@@ -666,22 +666,31 @@ struct Runtime::Impl {
     p->extent = t.copies[idx(Tier::Nvme)].extent;
     p->device = t.copies[idx(Tier::Device)].ptr;
     if (p->down) {
-      // Keep a host copy on the way when the host tier has room without evicting anything.
+      // Keep a host copy on the way when the host tier has room without evicting anything
+      // (unless options.host_copy_on_the_way is off).
       Copy& h = t.copies[idx(Tier::Host)];
-      if (h.state == CopyState::Absent && try_alloc(t, Tier::Host)) {
+      if (options.host_copy_on_the_way && h.state == CopyState::Absent &&
+          try_alloc(t, Tier::Host)) {
         h.state = CopyState::Loading;
         h.version = version;
         p->host = h.ptr;
       }
       // Note [Direct NVMe to device]: a host-addressable device with no link model (the host
       // backend, unpaced) is host memory. When no host copy is kept on the way, the chunks land
-      // in the device copy itself: one copy fewer than staging then copying. Device leases wait
-      // for the whole read (no stream event). A paced link or a CUDA device always stages.
+      // in the device copy itself, as GPUDirect Storage would: one copy fewer than staging then
+      // copying, and no memcpy on the cores the compute uses. Device leases wait for the whole
+      // read (no stream event). A paced link or a CUDA device always stages.
       p->direct =
           p->host == nullptr && backend->info().host_addressable && backend->info().link_gbps == 0;
       if (!p->direct)
         p->event = std::shared_ptr<Event>(backend->create_event());  // device leases wait on it
     }
+    // Note [Reads in the order asked]: a move that lands in a copy (the host copy on the way, or
+    // the device copy directly) needs no staging slot, so all its chunks go to the engine at
+    // once. The engine serves requests in the order submitted, so the tensor asked for first
+    // (the planner asks in step order) is read first, instead of its later chunks queueing
+    // behind the next steps' reads as they did when it was limited to staging_chunks in flight.
+    if (p->host != nullptr || p->direct) p->max_in_flight = p->chunks;
     pump(p);
   }
 

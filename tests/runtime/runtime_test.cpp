@@ -412,6 +412,35 @@ TEST_F(RuntimeTest, AnUnpacedHostDeviceReadsNvmeDirectlyWhenTheHostIsFull) {
   EXPECT_TRUE(rt->resident(s, Tier::Host));
 }
 
+TEST_F(RuntimeTest, WithoutAHostCopyOnTheWayAnUnpacedHostDeviceReadsNvmeDirectly) {
+  RuntimeOptions o = small_options(dir_.path());
+  o.host_copy_on_the_way = false;
+  auto rt = std::make_unique<Runtime>(o);
+  const auto small = pattern(100 * KiB + 5, 8);  // fits the host tier, which stays empty
+  const TensorId s = rt->create_tensor(desc("small", small.size()), Tier::Nvme, small.data());
+  {
+    Lease lease = rt->acquire(s, Tier::Device, Access::Read).get();
+    EXPECT_EQ(lease.event(), nullptr);
+    EXPECT_EQ(leased_bytes(lease), small);
+  }
+  EXPECT_FALSE(rt->resident(s, Tier::Host));
+  const auto [nvme, h2d] = lanes_of(*rt, s);
+  EXPECT_EQ(nvme, 2);  // two 64 KiB chunks read into the device copy
+  EXPECT_EQ(h2d, 0);   // and nothing copied
+  EXPECT_EQ(rt->transfer_stats().bytes_nvme_to_device, small.size());
+  EXPECT_EQ(rt->transfer_stats().bytes_nvme_to_host, 0u);
+  // A paced link stages all the same, and still keeps no host copy.
+  o.backend.link_gbps = 100;
+  rt = std::make_unique<Runtime>(o);
+  const TensorId p = rt->create_tensor(desc("paced", small.size()), Tier::Nvme, small.data());
+  EXPECT_EQ(leased_bytes(rt->acquire(p, Tier::Device, Access::Read).get()), small);
+  EXPECT_FALSE(rt->resident(p, Tier::Host));
+  EXPECT_EQ(lanes_of(*rt, p).second, 2);  // two chunks copied up from staging slots
+  EXPECT_EQ(RuntimeOptions::from_json(R"({"host_copy_on_the_way": false})").host_copy_on_the_way,
+            false);
+  EXPECT_THROW(RuntimeOptions::from_json(R"({"host_copy_on_the_way": "no"})"), Error);
+}
+
 TEST_F(RuntimeTest, MappedTensorsAreNeverWritten) {
   auto rt = make();
   const auto data = pattern(3 * 4096 + 100, 6);

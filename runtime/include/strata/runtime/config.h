@@ -24,7 +24,8 @@ std::string_view to_string(EvictionKind kind) noexcept;
 ///   "io": { "engine": "auto|uring|posix", "block_size": "1MiB", "queue_depth": 16,
 ///           "threads": 4, "direct": true, "sqpoll": false, "faults": ["read:3:eio"] },
 ///   "checksums": true, "eviction": "lru|farthest_next_use", "trace_events": 65536,
-///   "staging_chunk": "4MiB", "staging_chunks": 4, "quiet": false }
+///   "staging_chunk": "4MiB", "staging_chunks": 4, "host_copy_on_the_way": true,
+///   "quiet": false }
 /// ```
 struct RuntimeOptions {
   BackendOptions backend;
@@ -36,6 +37,12 @@ struct RuntimeOptions {
   std::size_t trace_events = 1 << 16;                      ///< telemetry ring size
   std::size_t staging_chunk_bytes = std::size_t{4} << 20;  ///< NVMe<->device pipeline chunk
   unsigned staging_chunks = 4;                             ///< staging slots in the host slab
+  /// An NVMe -> device move keeps a host copy on the way when the host tier has room without
+  /// evicting. false: it does not, and on a host-addressable device with no link model (the
+  /// host backend, unpaced) the chunks then land in the device copy itself (Note [Direct NVMe
+  /// to device]): for a model streamed through a host tier smaller than it, where the host
+  /// copies would be evicted before reuse and each costs a memcpy on the compute's cores.
+  bool host_copy_on_the_way = true;
   bool quiet = false;
 
   /// Throws strata::Error (invalid_argument) naming the first bad key.
