@@ -441,6 +441,37 @@ TEST_F(RuntimeTest, WithoutAHostCopyOnTheWayAnUnpacedHostDeviceReadsNvmeDirectly
   EXPECT_THROW(RuntimeOptions::from_json(R"({"host_copy_on_the_way": "no"})"), Error);
 }
 
+// Note [Reads in the order asked]: moves that land in a copy send all their chunks at once, so
+// the engine reads the first tensor asked for before the next one, however many chunks it has.
+TEST_F(RuntimeTest, ATensorAskedForFirstIsReadFirst) {
+  for (const bool host_copy : {true, false}) {
+    RuntimeOptions o = small_options(dir_.path());
+    o.backend.device_budget_bytes = 1 * MiB;
+    o.host_budget_bytes = 2 * MiB;
+    o.host_copy_on_the_way = host_copy;  // landing in the host copy, or in the device copy
+    auto rt = std::make_unique<Runtime>(o);
+    const auto a = pattern(6 * 64 * KiB, 1), b = pattern(6 * 64 * KiB, 2);  // 6 chunks each
+    const TensorId ta = rt->create_tensor(desc("a", a.size()), Tier::Nvme, a.data());
+    const TensorId tb = rt->create_tensor(desc("b", b.size()), Tier::Nvme, b.data());
+    rt->prefetch(ta, Tier::Device);
+    rt->prefetch(tb, Tier::Device);
+    EXPECT_EQ(leased_bytes(rt->acquire(tb, Tier::Device, Access::Read).get()), b);
+    EXPECT_EQ(leased_bytes(rt->acquire(ta, Tier::Device, Access::Read).get()), a);
+    rt->synchronize();
+    std::uint64_t last_a = 0, first_b = ~std::uint64_t{0};
+    int reads_a = 0, reads_b = 0;
+    for (const TraceEvent& e : rt->telemetry().events()) {
+      if (e.track != Track::NvmeRead) continue;  // start_ns: when the chunk was sent
+      if (e.tensor == ta) last_a = std::max(last_a, e.start_ns), ++reads_a;
+      if (e.tensor == tb) first_b = std::min(first_b, e.start_ns), ++reads_b;
+    }
+    EXPECT_EQ(reads_a, 6);
+    EXPECT_EQ(reads_b, 6);
+    EXPECT_LE(last_a, first_b) << "host copy on the way: " << host_copy;
+    EXPECT_EQ(rt->resident(ta, Tier::Host), host_copy);
+  }
+}
+
 TEST_F(RuntimeTest, MappedTensorsAreNeverWritten) {
   auto rt = make();
   const auto data = pattern(3 * 4096 + 100, 6);
