@@ -1,8 +1,10 @@
-// Small pieces both examples use: timing, a counter-based random generator that gives the same
-// numbers in every run, and a temporary directory under /var/tmp removed with its contents.
+// Small pieces both examples use: timing (and the CPU time the hypervisor stole meanwhile), a
+// counter-based random generator that gives the same numbers in every run, and a temporary
+// directory under /var/tmp removed with its contents.
 #pragma once
 
 #include <stdlib.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -10,6 +12,8 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -21,6 +25,21 @@ using Clock = std::chrono::steady_clock;
 
 inline double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+/// CPU time stolen from this machine's CPUs by the hypervisor since boot, all CPUs summed
+/// (/proc/stat's steal column); 0 where it is not reported. A pass that lost CPU this way ran
+/// slower for reasons outside the program: the figures say how much.
+inline double cpu_steal_seconds() {
+  std::ifstream stat("/proc/stat");
+  std::string line;
+  if (!std::getline(stat, line) || line.rfind("cpu ", 0) != 0) return 0;
+  std::istringstream in(line.substr(4));
+  std::uint64_t v[8] = {};  // user nice system idle iowait irq softirq steal
+  for (std::uint64_t& x : v)
+    if (!(in >> x)) return 0;
+  const long hz = ::sysconf(_SC_CLK_TCK);
+  return hz > 0 ? static_cast<double>(v[7]) / static_cast<double>(hz) : 0;
 }
 
 inline double median(std::vector<double> v) {

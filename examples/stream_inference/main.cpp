@@ -132,6 +132,8 @@ int main(int argc, char** argv) {
                                          {"prefetch", c.prefetch},
                                          {"passes", c.passes},
                                          {"step_s", r.step_s},
+                                         {"step_runs_s", r.step_runs_s},
+                                         {"cpu_steal_s", r.cpu_steal_s},
                                          {"compute_s", r.compute_s},
                                          {"transfer_s", r.transfer_s},
                                          {"roofline", r.roofline},
@@ -155,8 +157,10 @@ int main(int argc, char** argv) {
         "transfer alone %.4f s, roofline %.2f; NVMe %.2f GB/s; %.1f samples/s\n",
         r.step_s, c.passes, r.compute_s, r.transfer_s, r.roofline, r.gbps_nvme_read,
         r.samples_per_s);
-    std::printf("output checksum %s; peak RSS %s\n", output_checksum(r.output).c_str(),
-                strata::format_bytes(peak_rss_bytes()).c_str());
+    std::printf(
+        "output checksum %s; peak RSS %s; CPU stolen by the hypervisor in the passes %.3f s\n",
+        output_checksum(r.output).c_str(), strata::format_bytes(peak_rss_bytes()).c_str(),
+        r.cpu_steal_s);
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "stream_inference: %s\n", e.what());

@@ -483,7 +483,9 @@ InferenceResult run_streamed(const InferenceConfig& c) {
     }
     if (i + 1 == c.passes) rt.telemetry().clear();  // the trace shows the last pass
     const std::uint64_t read0 = rt.io()->stats().bytes_read;
+    const double steal0 = cpu_steal_seconds();
     auto [seconds, out] = pass(true);
+    r.cpu_steal_s += cpu_steal_seconds() - steal0;
     read_in_passes += rt.io()->stats().bytes_read - read0;
     times.push_back(seconds);
     agree(std::move(out));
@@ -493,6 +495,7 @@ InferenceResult run_streamed(const InferenceConfig& c) {
   for (double t : times)
     total += t;
   r.step_s = median(times);
+  r.step_runs_s = times;
   r.gbps_nvme_read = total > 0 ? static_cast<double>(r.bytes_nvme_read) / total / 1e9 : 0;
   r.samples_per_s = r.step_s > 0 ? c.batch / r.step_s : 0;
   r.peak_device_bytes = be.device_stats().peak_bytes;

@@ -76,6 +76,10 @@ struct InferenceResult {
   double gbps_nvme_read = 0;  ///< bytes_nvme_read / the timed passes' time
   std::uint64_t bytes_nvme_read = 0;  ///< read from NVMe (the model file) in the timed passes
   double samples_per_s = 0;
+  std::vector<double> step_runs_s;  ///< every timed pass, in order (step_s is their median)
+  /// CPU time the hypervisor stole during the timed passes, all CPUs summed: on a shared VM a
+  /// slow pass next to a large steal is the machine, not the pipeline.
+  double cpu_steal_s = 0;
   std::uint64_t peak_device_bytes = 0;
   bool passes_agree = true;  ///< every pass that computed (timed or compute-only) gave one output
 };
