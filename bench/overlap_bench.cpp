@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <functional>
@@ -418,6 +419,9 @@ void run(Args args) {
           s.flops() * static_cast<double>(args.layers) / res.compute_s / 1e9;
       res.figures["gemm_checked_outputs"] = gemm->checked_outputs();
       res.figures["blas_threads"] = blas_threads();
+      const char* timeout = std::getenv("OPENBLAS_THREAD_TIMEOUT");
+      res.figures["blas_thread_timeout"] =
+          timeout != nullptr ? nlohmann::json(timeout) : nlohmann::json(nullptr);
     }
     compute_step = nullptr;  // it refers to this iteration's locals
     results.push_back(std::move(res));

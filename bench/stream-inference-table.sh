@@ -3,13 +3,16 @@
 # 8 MiB layers) at two device budgets each (one that holds two layers and one that does not),
 # prefetch auto against none, one JSON line per run, then the rows as a markdown table.
 #   bench/stream-inference-table.sh [build dir] [model dir]
-# OPENBLAS_NUM_THREADS (default 2) and PASSES (default 5) are passed through.
+# OPENBLAS_NUM_THREADS (default 2), OPENBLAS_THREAD_TIMEOUT (default 4: OpenBLAS's idle
+# threads sleep at once instead of spinning on the cores strata's threads need) and PASSES
+# (default 5) are passed through; OPENBLAS_THREAD_TIMEOUT= (empty) keeps OpenBLAS's own spin.
 set -euo pipefail
 build=${1:-build}
 dir=${2:-/var/tmp}
 bin="$build/examples/stream_inference"
 [ -x "$bin" ] || { echo "no $bin: build first" >&2; exit 1; }
 export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-2}
+export OPENBLAS_THREAD_TIMEOUT=${OPENBLAS_THREAD_TIMEOUT-4}
 passes=${PASSES:-5}
 rows=()
 for spec in "4096 64MiB 128MiB" "4096 128MiB 128MiB" "2048 16MiB 64MiB" "2048 32MiB 64MiB"; do

@@ -4,7 +4,10 @@
 //   stream_inference --generate model.safetensors --layers 64 --hidden 2048 --dtype bf16
 //   stream_inference --model model.safetensors --batch 64 --device-budget 64MiB --json
 //   stream_inference --model model.safetensors --batch 64 --reference --output ref.bin
+#include <cblas.h>
+
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <fstream>
 #include <string>
@@ -42,6 +45,16 @@ void write_output(const std::string& path, const std::vector<float>& out) {
   f.write(reinterpret_cast<const char*>(out.data()),
           static_cast<std::streamsize>(out.size() * sizeof(float)));
   STRATA_EXPECTS(f.good(), "--output ", path, ": write failed");
+}
+
+}  // namespace
+
+namespace {
+
+// An environment variable as JSON: its text, or null when unset (the figures say what ran).
+nlohmann::json env_or_null(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr ? nlohmann::json(v) : nlohmann::json(nullptr);
 }
 
 }  // namespace
@@ -122,30 +135,33 @@ int main(int argc, char** argv) {
     const double ratio =
         static_cast<double>(r.model.model_bytes) / static_cast<double>(r.device_budget);
     if (json) {
-      std::printf("%s\n", nlohmann::json{{"mode", "streamed"},
-                                         {"layers", r.model.layers.size()},
-                                         {"model_bytes", r.model.model_bytes},
-                                         {"device_budget", r.device_budget},
-                                         {"host_budget", r.host_budget},
-                                         {"model_over_device", ratio},
-                                         {"batch", c.batch},
-                                         {"prefetch", c.prefetch},
-                                         {"passes", c.passes},
-                                         {"step_s", r.step_s},
-                                         {"step_runs_s", r.step_runs_s},
-                                         {"cpu_steal_s", r.cpu_steal_s},
-                                         {"compute_s", r.compute_s},
-                                         {"transfer_s", r.transfer_s},
-                                         {"roofline", r.roofline},
-                                         {"gbps_nvme_read", r.gbps_nvme_read},
-                                         {"bytes_nvme_read", r.bytes_nvme_read},
-                                         {"samples_per_s", r.samples_per_s},
-                                         {"output_checksum", output_checksum(r.output)},
-                                         {"passes_agree", r.passes_agree},
-                                         {"peak_device_bytes", r.peak_device_bytes},
-                                         {"peak_rss_bytes", peak_rss_bytes()}}
-                              .dump()
-                              .c_str());
+      std::printf("%s\n",
+                  nlohmann::json{{"mode", "streamed"},
+                                 {"layers", r.model.layers.size()},
+                                 {"model_bytes", r.model.model_bytes},
+                                 {"device_budget", r.device_budget},
+                                 {"host_budget", r.host_budget},
+                                 {"model_over_device", ratio},
+                                 {"batch", c.batch},
+                                 {"prefetch", c.prefetch},
+                                 {"passes", c.passes},
+                                 {"step_s", r.step_s},
+                                 {"step_runs_s", r.step_runs_s},
+                                 {"cpu_steal_s", r.cpu_steal_s},
+                                 {"blas_threads", openblas_get_num_threads()},
+                                 {"blas_thread_timeout", env_or_null("OPENBLAS_THREAD_TIMEOUT")},
+                                 {"compute_s", r.compute_s},
+                                 {"transfer_s", r.transfer_s},
+                                 {"roofline", r.roofline},
+                                 {"gbps_nvme_read", r.gbps_nvme_read},
+                                 {"bytes_nvme_read", r.bytes_nvme_read},
+                                 {"samples_per_s", r.samples_per_s},
+                                 {"output_checksum", output_checksum(r.output)},
+                                 {"passes_agree", r.passes_agree},
+                                 {"peak_device_bytes", r.peak_device_bytes},
+                                 {"peak_rss_bytes", peak_rss_bytes()}}
+                      .dump()
+                      .c_str());
       return 0;
     }
     std::printf("%zu layers, %s in %s; device budget %s (model is %.1fx), host budget %s\n",
