@@ -82,8 +82,10 @@ struct Copy {
   ExtentId extent = 0;       // nvme space
   bool mapped = false;       // nvme: a read-only mapping of a file
   unsigned leases = 0;
-  unsigned pins = 0;   // sources of moves in flight
-  bool ready = false;  // a lease may be handed out
+  unsigned write_leases = 0;  // of `leases`, those that write
+  unsigned pins = 0;          // sources of moves in flight
+  TensorId claimed_by = 0;    // Note [Arrival in pieces]: dropped for it when its leases end
+  bool ready = false;         // a lease may be handed out
   std::shared_ptr<Event> event;
   std::exception_ptr error;  // the last load failed
   std::uint64_t last_use = 0;
@@ -118,6 +120,14 @@ struct Runtime::Impl {
   std::unique_ptr<MemoryPool> host_pool;
   std::vector<std::byte*> staging_free;
   std::deque<std::shared_ptr<Pipeline>> staging_waiters;
+  // Note [Arrival in pieces]: device copies whose block is still partly held by claimed copies.
+  struct Arrival {
+    std::byte* base = nullptr;
+    std::size_t bytes = 0;  // the block's size (rounded to the device granule)
+    std::vector<std::pair<std::size_t, std::size_t>> owned;  // pool blocks held: [offset, length)
+    std::shared_ptr<Pipeline> pipeline;                      // the move landing in it, once started
+  };
+  std::unordered_map<TensorId, Arrival> arrivals;
 
   mutable std::mutex mutex;
   std::condition_variable changed;
@@ -238,16 +248,85 @@ struct Runtime::Impl {
 
   void free_space(TensorState& t, Tier tier) {
     Copy& c = t.copies[idx(tier)];
+    const TensorId claimant = tier == Tier::Device ? c.claimed_by : 0;
     if (c.ptr != nullptr) {
-      if (tier == Tier::Device)
-        backend->deallocate_device(c.ptr);
-      else
+      if (tier == Tier::Device) {
+        if (const auto a = arrivals.find(t.id); a != arrivals.end()) {
+          for (const auto& [offset, length] : a->second.owned)
+            backend->deallocate_device(a->second.base + offset);
+          arrivals.erase(a);
+          for (auto& [id, o] : tensors)  // its claims lapse: those copies stay
+            if (o->copies[idx(Tier::Device)].claimed_by == t.id)
+              o->copies[idx(Tier::Device)].claimed_by = 0;
+        } else {
+          backend->deallocate_device(c.ptr);
+        }
+      } else {
         host_pool->deallocate(c.ptr);
+      }
     }
     if (c.extent != 0) swap->release(c.extent);
     const bool had = c.has_space();
     c = Copy{};
     if (had) note_occupancy(tier);
+    if (claimant != 0) grant(claimant);
+  }
+
+  // Note [Arrival in pieces]
+  // ~~~~~~~~~~~~~~~~~~~~~~~~~
+  // When the device cannot hold the next step's tensor beside the current step's, most of it
+  // could still land while the current step computes: Runtime::prefetch_replacing places its
+  // copy over free space and over copies the caller says it will not need again (clean, not
+  // leased for writing: the current step's weights), which are "claimed". The parts that are
+  // free are allocated at once and their chunks start; a claimed copy is dropped when its last
+  // lease ends (not kept as it would be otherwise), and its part is granted to the claimant at
+  // that moment, under the same lock, so nothing else takes it. The arriving copy's device
+  // block is several pool blocks until the last part is granted; then they become one. Its
+  // device leases go out only when every chunk has landed, as for any move.
+
+  // Takes every free part of the claimant's block; starts its chunks now in room.
+  void grant(TensorId claimant) {
+    const auto a = arrivals.find(claimant);
+    if (a == arrivals.end()) return;
+    Arrival& r = a->second;
+    MemoryPool& pool = backend->device_pool();
+    for (const auto& [fp, fb] : pool.free_blocks()) {
+      std::byte* lo = std::max(fp, r.base);
+      std::byte* hi = std::min(fp + fb, r.base + r.bytes);
+      if (lo >= hi) continue;
+      if (!pool.allocate_at(lo, static_cast<std::size_t>(hi - lo)))
+        STRATA_FAIL(Errc::internal, "arrival in pieces: a free block could not be taken");
+      r.owned.emplace_back(static_cast<std::size_t>(lo - r.base),
+                           static_cast<std::size_t>(hi - lo));
+    }
+    std::size_t owned = 0;
+    for (const auto& [offset, length] : r.owned)
+      owned += length;
+    std::shared_ptr<Pipeline> p = r.pipeline;
+    if (owned == r.bytes) {  // whole: one block again
+      for (const auto& [offset, length] : r.owned)
+        pool.deallocate(r.base + offset);
+      if (!pool.allocate_at(r.base, r.bytes))
+        STRATA_FAIL(Errc::internal, "arrival in pieces: the whole block could not be taken");
+      arrivals.erase(a);
+    }
+    note_occupancy(Tier::Device);
+    if (p) pump(p);
+  }
+
+  // Is [from, to) of the tensor's device copy held (not waiting for a claimed copy)?
+  bool held(TensorId id, std::size_t from, std::size_t to) const {
+    const auto a = arrivals.find(id);
+    if (a == arrivals.end()) return true;
+    std::vector<std::pair<std::size_t, std::size_t>> owned = a->second.owned;
+    std::sort(owned.begin(), owned.end());
+    std::size_t at = from;
+    for (const auto& [offset, length] : owned) {
+      if (offset > at) break;
+      at = std::max(at, offset + length);
+      if (at >= to) return true;
+    }
+    return at >= to;
   }
 
   bool dirty(const TensorState& t, Tier tier) const {
@@ -437,6 +516,137 @@ struct Runtime::Impl {
     return true;
   }
 
+  // Runtime::prefetch_replacing (Note [Arrival in pieces]). Lock held.
+  bool prefetch_replacing(std::unique_lock<std::mutex>& lock, TensorState& t,
+                          const std::vector<TensorId>& replaceable) {
+    for (;;) {
+      const Copy& c = t.copies[idx(Tier::Device)];
+      if (c.state == CopyState::Loading || c.state == CopyState::Evicting ||
+          t.current(Tier::Device))
+        return true;  // there, or on its way
+      if (t.discarded) return false;
+      // As ensure(): a device load waits for a host copy that is landing, and reads it.
+      const Copy& h = t.copies[idx(Tier::Host)];
+      if (h.state == CopyState::Loading && h.version == t.version) {
+        changed.wait(lock);
+        continue;
+      }
+      break;
+    }
+    Copy& d = t.copies[idx(Tier::Device)];
+    const Tier src = source_for(t, Tier::Device);
+    if (!place(t, Tier::Device)) {
+      // Free blocks and the replaceable copies' blocks, by address.
+      const std::size_t need = align_up(t.desc.bytes, std::size_t{256});
+      std::map<std::byte*, std::pair<std::size_t, TensorState*>> parts;  // start -> (bytes, copy)
+      for (const auto& [fp, fb] : backend->device_pool().free_blocks())
+        parts.emplace(fp, std::make_pair(fb, nullptr));
+      for (TensorId id : replaceable) {
+        const auto it = tensors.find(id);
+        if (it == tensors.end() || it->second.get() == &t) continue;
+        TensorState& o = *it->second;
+        const Copy& oc = o.copies[idx(Tier::Device)];
+        // A copy still landing (the current step's, leased before its copy finished) is taken
+        // too: it is dropped only once it has landed and its leases have ended.
+        const bool landing = oc.state == CopyState::Loading && oc.version == o.version;
+        if (oc.ptr == nullptr || (oc.state != CopyState::Valid && !landing) || oc.pins > 0 ||
+            oc.write_leases > 0 || oc.claimed_by != 0 || dirty(o, Tier::Device) ||
+            arrivals.contains(o.id))
+          continue;
+        parts.emplace(oc.ptr, std::make_pair(align_up(o.desc.bytes, std::size_t{256}), &o));
+      }
+      // The placement in a run of adjacent parts that covers the most free bytes.
+      std::byte* best = nullptr;
+      std::size_t best_free = 0;
+      std::vector<std::pair<std::byte*, std::pair<std::size_t, TensorState*>>> run;
+      const auto consider = [&] {
+        if (run.empty()) return;
+        std::byte* lo = run.front().first;
+        std::byte* hi = run.back().first + run.back().second.first;
+        if (static_cast<std::size_t>(hi - lo) < need) return;
+        std::vector<std::byte*> starts = {lo, hi - need};
+        for (const auto& [at, part] : run)
+          if (part.second == nullptr) {
+            if (at + need <= hi) starts.push_back(at);
+            if (at + part.first >= lo + need) starts.push_back(at + part.first - need);
+          }
+        for (std::byte* a : starts) {
+          std::size_t free = 0;
+          for (const auto& [at, part] : run)
+            if (part.second == nullptr) {
+              std::byte* x = std::max(at, a);
+              std::byte* y = std::min(at + part.first, a + need);
+              if (x < y) free += static_cast<std::size_t>(y - x);
+            }
+          if (best == nullptr || free > best_free) best = a, best_free = free;
+        }
+      };
+      for (const auto& part : parts) {
+        if (!run.empty() && run.back().first + run.back().second.first != part.first) {
+          consider();
+          run.clear();
+        }
+        run.push_back(part);
+      }
+      consider();
+      if (best == nullptr) return false;
+      // Claim: unleased replaceable copies in the range are dropped now, leased ones later.
+      arrivals[t.id] = Arrival{best, need, {}, nullptr};
+      d.ptr = best;
+      for (const auto& [at, part] : parts) {
+        TensorState* o = part.second;
+        if (o == nullptr || at + part.first <= best || at >= best + need) continue;
+        o->copies[idx(Tier::Device)].claimed_by = t.id;
+        if (droppable(*o)) drop_claimed(*o);
+      }
+      grant(t.id);  // the free parts (or all of it, when nothing claimed is leased)
+    }
+    start_load(lock, t, Tier::Device, src);
+    d.last_use = ++clock;
+    run_after_unlock(lock);
+    return true;
+  }
+
+  // A claim that failed (drop_claimed) with nothing of its move in flight: finish it now. May
+  // unlock.
+  void finish_failed_arrival(std::unique_lock<std::mutex>& lock, TensorId claimant) {
+    const auto a = arrivals.find(claimant);
+    if (a == arrivals.end() || !a->second.pipeline) return;
+    auto p = a->second.pipeline;
+    if (p->error && p->in_flight == 0) chunk_done(lock, p);
+  }
+
+  // A claimed device copy goes once it has landed, its leases have ended and no move reads it.
+  static bool droppable(const TensorState& o) {
+    const Copy& c = o.copies[idx(Tier::Device)];
+    return c.claimed_by != 0 && c.leases == 0 && c.pins == 0 && c.state == CopyState::Valid;
+  }
+
+  // A claimed copy whose last lease ended: dropped (clean), its room granted to the claimant;
+  // if a write made it dirty meanwhile, the claim fails instead and the copy stays.
+  void drop_claimed(TensorState& o) {
+    Copy& oc = o.copies[idx(Tier::Device)];
+    const TensorId claimant = oc.claimed_by;
+    if (dirty(o, Tier::Device)) {
+      oc.claimed_by = 0;
+      const auto a = arrivals.find(claimant);
+      if (a != arrivals.end() && a->second.pipeline) {
+        auto p = a->second.pipeline;
+        if (!p->error)
+          p->error = std::make_exception_ptr(
+              Error(Errc::invalid_argument,
+                    detail::concat("tensor ", claimant, ": the device room it claimed from \"",
+                                   o.desc.name, "\" was written, so it cannot be dropped")));
+      }
+      return;
+    }
+    ++stats[idx(Tier::Device)].evictions;
+    const std::uint64_t now = telemetry.now_ns();
+    telemetry.record({now, now, Track::Eviction, o.desc.bytes, o.id, idx(Tier::Device)});
+    free_space(o, Tier::Device);  // grants the claimant its part
+    changed.notify_all();
+  }
+
   // Drops t's copy on `tier`, writing it back below first when it is dirty. Blocks.
   void evict_copy(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier) {
     Copy& c = t.copies[idx(tier)];
@@ -519,7 +729,7 @@ struct Runtime::Impl {
   // `via`: the tier the bytes passed through on the way (a kept host copy), if any.
   void finish_move(TensorState& t, Tier dst, Tier src, std::exception_ptr error,
                    std::uint64_t version, std::optional<Tier> via = std::nullopt) {
-    std::lock_guard lock(mutex);
+    std::unique_lock lock(mutex);
     Copy& c = t.copies[idx(dst)];
     --t.copies[idx(src)].pins;
     if (error) {
@@ -531,6 +741,16 @@ struct Runtime::Impl {
         const std::exception_ptr keep = c.error;
         free_space(t, dst);
         t.copies[idx(dst)].error = keep;
+      } else if (dst == Tier::Device && arrivals.contains(t.id)) {
+        // An arrival in pieces gives its room and its claims back even while leases wait on it
+        // (they get the error): kept, it would hold copies it claimed until someone asked again.
+        const Copy kept = c;
+        stats[idx(dst)].leased_bytes -= t.desc.bytes;
+        free_space(t, dst);
+        Copy& now = t.copies[idx(dst)];
+        now.error = kept.error;
+        now.leases = kept.leases;  // their releases end them; no space is left to account
+        now.write_leases = kept.write_leases;
       }
     } else {
       c.state = CopyState::Valid;
@@ -547,7 +767,16 @@ struct Runtime::Impl {
     }
     --t.moves;
     --moves_in_flight;
+    // Note [Arrival in pieces]: a claimed copy whose leases ended while it landed or was a
+    // move's source goes now.
+    if ((dst == Tier::Device || src == Tier::Device) && droppable(t)) {
+      const TensorId claimant = t.copies[idx(Tier::Device)].claimed_by;
+      drop_claimed(t);
+      finish_failed_arrival(lock, claimant);
+      if (!lock.owns_lock()) lock.lock();
+    }
     changed.notify_all();
+    run_after_unlock(lock);
   }
 
   // Records a stream copy's span: it began when the previous work on its stream finished.
@@ -578,6 +807,10 @@ struct Runtime::Impl {
     const std::uint64_t bytes = t.desc.bytes;
     TensorState* tp = &t;
 
+    if (src == Tier::Host && dst == Tier::Device && arrivals.contains(t.id)) {
+      start_pipeline(t, dst, src, version);  // Note [Arrival in pieces]
+      return;
+    }
     if ((src == Tier::Host && dst == Tier::Device) || (src == Tier::Device && dst == Tier::Host)) {
       const bool up = dst == Tier::Device;
       Stream& stream = up ? backend->h2d_stream() : backend->d2h_stream();
@@ -645,8 +878,10 @@ struct Runtime::Impl {
     std::byte* device = nullptr;
     std::byte* host = nullptr;  // landing in the host copy, or null for staging
     bool direct = false;        // Note [Direct NVMe to device]: landing in the device copy
+    const std::byte* from_host = nullptr;  // Note [Arrival in pieces]: host -> device in chunks
     std::uint64_t bytes = 0, chunk = 0;
-    std::size_t chunks = 0, next = 0, enqueued = 0, done = 0, in_flight = 0, max_in_flight = 2;
+    std::size_t chunks = 0, launched = 0, enqueued = 0, done = 0, in_flight = 0, max_in_flight = 2;
+    std::vector<bool> started;      // chunks launched (in order, except while room is arriving)
     std::vector<std::byte*> slots;  // staging slots held and free for the next chunk
     std::exception_ptr error;
     std::shared_ptr<Event> event;
@@ -662,10 +897,16 @@ struct Runtime::Impl {
     p->bytes = t.desc.bytes;
     p->chunk = options.staging_chunk_bytes;
     p->chunks = static_cast<std::size_t>((p->bytes + p->chunk - 1) / p->chunk);
+    p->started.assign(p->chunks, false);
     p->max_in_flight = options.staging_chunks;  // waiting pipelines get slots as they free
     p->extent = t.copies[idx(Tier::Nvme)].extent;
     p->device = t.copies[idx(Tier::Device)].ptr;
-    if (p->down) {
+    if (const auto a = arrivals.find(t.id); a != arrivals.end() && p->down) a->second.pipeline = p;
+    if (src == Tier::Host) {  // Note [Arrival in pieces]: chunk k is copied once its room is held
+      p->from_host = t.copies[idx(Tier::Host)].ptr;
+      p->max_in_flight = p->chunks;
+      p->event = std::shared_ptr<Event>(backend->create_event());
+    } else if (p->down) {
       // Keep a host copy on the way when the host tier has room without evicting anything
       // (unless options.host_copy_on_the_way is off).
       Copy& h = t.copies[idx(Tier::Host)];
@@ -694,14 +935,30 @@ struct Runtime::Impl {
     pump(p);
   }
 
-  // Starts as many chunks as slots allow (lock held; I/O queued for after unlock).
+  // The first chunk not launched whose device room is held; chunks() when there is none.
+  std::size_t next_chunk(const Pipeline& p) const {
+    for (std::size_t k = 0; k < p.chunks; ++k) {
+      if (p.started[k]) continue;
+      const std::size_t from = k * p.chunk;
+      const std::size_t to =
+          static_cast<std::size_t>(std::min<std::uint64_t>(p.bytes, from + p.chunk));
+      if (!p.down || held(p.t->id, from, to)) return k;
+    }
+    return p.chunks;
+  }
+
+  // Starts as many chunks as slots and held room allow (lock held; I/O queued for after unlock).
   void pump(const std::shared_ptr<Pipeline>& p) {
-    while (p->next < p->chunks && !p->error && p->in_flight < p->max_in_flight) {
+    while (p->launched < p->chunks && !p->error && p->in_flight < p->max_in_flight) {
+      const std::size_t k = next_chunk(*p);
+      if (k == p->chunks) return;  // the rest waits for room (Note [Arrival in pieces])
       std::byte* landing = nullptr;
-      if (p->host != nullptr) {
-        landing = p->host + p->next * p->chunk;
+      if (p->from_host != nullptr) {
+        landing = const_cast<std::byte*>(p->from_host) + k * p->chunk;
+      } else if (p->host != nullptr) {
+        landing = p->host + k * p->chunk;
       } else if (p->direct) {
-        landing = p->device + p->next * p->chunk;
+        landing = p->device + k * p->chunk;
       } else if (!p->slots.empty()) {
         landing = p->slots.back();
         p->slots.pop_back();
@@ -712,15 +969,16 @@ struct Runtime::Impl {
         if (p->in_flight == 0) staging_waiters.push_back(p);
         return;
       }
-      const std::size_t k = p->next++;
+      p->started[k] = true;
+      ++p->launched;
       ++p->in_flight;
       launch_chunk(p, k, landing);
     }
   }
 
   void give_back_slot(const std::shared_ptr<Pipeline>& p, std::byte* slot) {
-    if (p->host != nullptr || p->direct) return;
-    if (p->next < p->chunks && !p->error) {
+    if (p->host != nullptr || p->direct || p->from_host != nullptr) return;
+    if (p->launched < p->chunks && !p->error) {
       p->slots.push_back(slot);
       return;
     }
@@ -736,10 +994,31 @@ struct Runtime::Impl {
     const std::uint64_t offset = k * p->chunk;
     const std::size_t len = static_cast<std::size_t>(std::min(p->chunk, p->bytes - offset));
     const TensorId id = p->t->id;
+    if (p->from_host != nullptr) {  // host -> device, chunk by chunk as room is held
+      Stream& h2d = backend->h2d_stream();
+      const std::uint64_t enqueued = telemetry.now_ns();
+      h2d.copy_async(p->device + offset, landing, len, CopyKind::HostToDevice);
+      if (++p->enqueued == p->chunks && !p->error) {
+        h2d.record(*p->event);
+        Copy& d = p->t->copies[idx(Tier::Device)];
+        d.event = p->event;
+        d.ready = true;  // device leases may go out: the last copy is on the stream
+        changed.notify_all();
+      }
+      h2d.launch_host_func([this, p, enqueued, len, id] {
+        stream_span(h2d_last_ns, Track::H2D, enqueued, len, id);
+        std::unique_lock lock(mutex);
+        --p->in_flight;
+        ++p->done;
+        pump(p);
+        chunk_done(lock, p);
+      });
+      return;
+    }
     if (p->down) {
       const std::uint64_t submitted = telemetry.now_ns();
       io_after_unlock_.push_back([this, p, k, landing, offset, len, id, submitted] {
-        swap->read(p->extent, offset, landing, len, [=, this](std::exception_ptr e) {
+        auto done = [=, this](std::exception_ptr e) {
           telemetry.record({submitted, telemetry.now_ns(), Track::NvmeRead, len, id, 0});
           if (e) {
             std::unique_lock lock(mutex);
@@ -779,7 +1058,14 @@ struct Runtime::Impl {
             pump(p);
             chunk_done(lock, p);
           });
-        });
+        };
+        // A read refused before it starts (a torn extent) fails this chunk like an I/O error,
+        // so that queued I/O never throws (Lease::release runs it too).
+        try {
+          swap->read(p->extent, offset, landing, len, done);
+        } catch (...) {
+          done(std::current_exception());
+        }
       });
     } else {
       Stream& d2h = backend->d2h_stream();
@@ -874,6 +1160,7 @@ struct Runtime::Impl {
       if (leased_elsewhere(t, own_tier)) return false;
       Copy& c = t.copies[idx(own_tier)];
       --c.leases;
+      if (writes(own->access()) && c.write_leases > 0) --c.write_leases;
       stats[idx(own_tier)].leased_bytes -= t.desc.bytes;
     }
     for (Tier tier : {Tier::Device, Tier::Host, Tier::Nvme})
@@ -993,12 +1280,13 @@ void Lease::release() noexcept {
   if (runtime_ == nullptr) return;
   Runtime::Impl& rt = *runtime_->impl_;
   {
-    std::lock_guard lock(rt.mutex);
+    std::unique_lock lock(rt.mutex);
     const auto it = rt.tensors.find(tensor_);
     if (it != rt.tensors.end()) {
       TensorState& t = *it->second;
       Copy& c = t.copies[idx(tier_)];
       if (c.leases > 0) --c.leases;
+      if (writes(access_) && c.write_leases > 0) --c.write_leases;
       c.last_use = ++rt.clock;
       if (writes(access_)) {
         t.version += 1;  // Note [Versions]: every other copy is now stale
@@ -1006,6 +1294,14 @@ void Lease::release() noexcept {
         t.discarded = false;
       }
       if (c.leases == 0 && c.ptr != nullptr) rt.stats[idx(tier_)].leased_bytes -= t.desc.bytes;
+      // Note [Arrival in pieces]: a claimed copy goes when its last lease ends; the claimant's
+      // chunks into its room start (their I/O after the unlock, and never throws).
+      if (tier_ == Tier::Device && rt.droppable(t)) {  // else once it lands or its pins go
+        const TensorId claimant = c.claimed_by;
+        rt.drop_claimed(t);
+        rt.finish_failed_arrival(lock, claimant);
+        if (lock.owns_lock()) rt.run_after_unlock(lock);
+      }
     }
   }
   rt.changed.notify_all();
@@ -1224,6 +1520,7 @@ LeaseFuture Runtime::acquire(TensorId id, Tier tier, Access access) {
   rt.ensure(lock, t, tier, /*count=*/true, access);
   Copy& c = t.copies[idx(tier)];
   if (c.leases++ == 0) rt.stats[idx(tier)].leased_bytes += t.desc.bytes;  // no eviction now
+  if (writes(access)) ++c.write_leases;
   // A writer must not change bytes that a move is still copying out of this tier.
   if (writes(access)) rt.changed.wait(lock, [&] { return c.pins == 0; });
   c.last_use = ++rt.clock;
@@ -1241,6 +1538,13 @@ void Runtime::prefetch(TensorId id, Tier tier) {
   rt.require_tier(tier, "prefetch");
   TensorState& t = rt.get(id);
   rt.ensure(lock, t, tier, /*count=*/false, Access::Read, /*prefetch=*/true);
+}
+
+bool Runtime::prefetch_replacing(TensorId id, const std::vector<TensorId>& replaceable) {
+  Impl& rt = *impl_;
+  std::unique_lock lock(rt.mutex);
+  TensorState& t = rt.get(id);
+  return rt.prefetch_replacing(lock, t, replaceable);
 }
 
 bool Runtime::stage(TensorId id, Tier tier) {
@@ -1379,6 +1683,7 @@ bool Lease::discard() {
     if (it != rt.tensors.end() && !rt.leased_elsewhere(*it->second, tier_) &&
         !it->second->copies[idx(Tier::Nvme)].mapped)
       done = rt.discard(lock, *it->second, this);
+    rt.run_after_unlock(lock);  // a claimant granted the room of this copy (Arrival in pieces)
   }
   if (!done) {
     release();

@@ -128,6 +128,7 @@ void PrefetchPipeline::begin_iteration() {
     cursor_.store(iteration_ * schedule_.size());
     next_to_issue_ = std::max(next_to_issue_, iteration_ * schedule_.size());
     next_to_stage_ = std::max(next_to_stage_, iteration_ * schedule_.size());
+    next_to_claim_ = std::max(next_to_claim_, iteration_ * schedule_.size());
     completed_ = std::max(completed_, iteration_ * schedule_.size());
     update_open();
   }
@@ -168,6 +169,7 @@ StepLeases PrefetchPipeline::begin_step(const std::string& name, std::vector<Ten
         cursor_.store(found);
         next_to_issue_ = std::max(next_to_issue_, found);  // skipped steps are not prefetched
         next_to_stage_ = std::max(next_to_stage_, found);
+        next_to_claim_ = std::max(next_to_claim_, found);
         update_open();
       }
       started_ = true;
@@ -198,13 +200,27 @@ StepLeases PrefetchPipeline::begin_step(const std::string& name, std::vector<Ten
                                            : Access::ReadWrite;
     out.leases_.push_back(rt_.acquire(u.tensor, u.tier, a).get());
   }
-  std::lock_guard lock(mutex_);
-  step_begin_ns_ = now_ns();
+  {
+    std::lock_guard lock(mutex_);
+    step_begin_ns_ = now_ns();
+    // Note [Arrival in pieces]: only now may the next step's tensors claim this step's room (a
+    // claim made while this step was still acquiring could take room it needs, and wait for
+    // leases that it would never release).
+    if (out.traced_) {
+      leased_step_ = out.step_;
+      plan_requested_ = true;
+    }
+  }
+  wake_.notify_all();
   return out;
 }
 
 void PrefetchPipeline::end_step(StepLeases leases) {
   const std::uint64_t end = now_ns();
+  {
+    std::lock_guard lock(mutex_);
+    leased_step_ = static_cast<std::size_t>(-1);  // its leases end now: no more claims on them
+  }
   // schedule_ changes only on this (the driving) thread: no lock needed to read it here.
   const bool traced = leases.traced_ && !schedule_.empty();
   std::uint64_t discarded = 0;
@@ -284,6 +300,7 @@ void PrefetchPipeline::end_iteration() {
   if (!schedule_.empty()) {
     next_to_issue_ = std::max(next_to_issue_, iteration_ * schedule_.size());
     next_to_stage_ = std::max(next_to_stage_, iteration_ * schedule_.size());
+    next_to_claim_ = std::max(next_to_claim_, iteration_ * schedule_.size());
   }
   plan_requested_ = true;
   wake_.notify_all();
@@ -334,9 +351,11 @@ void PrefetchPipeline::plan() {
     struct Issue {
       TensorId tensor;
       Tier tier;
-      std::size_t step;  // kNever for a held-back prefetch
-      bool staged;       // a device-tier tensor brought to the host ahead of the device window
+      std::size_t step;     // kNever for a held-back prefetch
+      bool staged;          // a device-tier tensor brought to the host ahead of the device window
+      bool pieces = false;  // Note [Arrival in pieces]: over the room of `replaceable`
     };
+    std::vector<TensorId> replaceable;
     std::vector<Issue> issue;
     // Held-back prefetches whose writer has ended go first.
     std::erase_if(deferred_, [&](const Deferred& d) {
@@ -433,6 +452,37 @@ void PrefetchPipeline::plan() {
         next_to_stage_ = j + 1;
       }
     }
+    // Note [Arrival in pieces]: while the only step in the device window runs, the next step's
+    // tensors cannot have room beside its own; they are placed over the room of the running
+    // step's tensors that the next step does not use, so that most of them lands now and the
+    // rest as those leases end.
+    const std::size_t next = last + 1;
+    if (options_.prefetch != PrefetchMode::None && options_.arrival_in_pieces && started_ &&
+        start == current && leased_step_ == current && completed_ <= current && next < window_end &&
+        !beyond_fixed(next) && next >= next_to_claim_ && next >= next_to_issue_) {
+      const std::vector<TensorUse>& now = schedule_.steps()[current % n].uses;
+      const std::vector<TensorUse>& then = schedule_.steps()[next % n].uses;
+      const auto used_then = [&](TensorId t) {
+        return std::any_of(then.begin(), then.end(),
+                           [&](const TensorUse& u) { return u.tensor == t; });
+      };
+      for (const TensorUse& u : now)
+        if (u.tier == Tier::Device && u.use == Use::Read && !used_then(u.tensor))
+          replaceable.push_back(u.tensor);
+      bool any = false;
+      for (const TensorUse& u : then)
+        if (u.tier == Tier::Device && u.use == Use::Read &&
+            pending_writer(u.tensor, next) == Schedule::kNever) {
+          issue.push_back({u.tensor, Tier::Device, next, false, true});
+          any = true;
+        }
+      if (replaceable.empty()) {
+        std::erase_if(issue, [](const Issue& e) { return e.pieces; });
+      } else if (any) {
+        next_to_claim_ = next + 1;
+        next_to_issue_ = next + 1;  // issued here, once; a claim that fails is issued again
+      }
+    }
     stats_.max_window_bytes = std::max(stats_.max_window_bytes, window_bytes);
     stats_.max_host_window_bytes =
         std::max(stats_.max_host_window_bytes, host_window_bytes + staged_bytes);
@@ -444,6 +494,7 @@ void PrefetchPipeline::plan() {
     lock.unlock();
     std::vector<bool> done(issue.size(), false);
     bool device_failed = false, host_failed = false;
+    std::size_t pieces_failed = Schedule::kNever;  // issued again as an ordinary prefetch
     std::size_t restage_from = Schedule::kNever;
     for (std::size_t i = 0; i < issue.size(); ++i) {
       const Issue& e = issue[i];
@@ -465,6 +516,15 @@ void PrefetchPipeline::plan() {
         }
         continue;
       }
+      if (e.pieces) {
+        try {
+          done[i] = rt_.prefetch_replacing(e.tensor, replaceable);
+        } catch (const Error&) {
+          done[i] = false;
+        }
+        if (!done[i]) pieces_failed = std::min(pieces_failed, e.step);
+        continue;
+      }
       if (device_failed) continue;
       try {
         rt_.prefetch(e.tensor, e.tier);
@@ -481,12 +541,16 @@ void PrefetchPipeline::plan() {
       if (issue[i].staged) {
         host_prefetch_log_[log_index].push_back(issue[i].tensor);
         ++stats_.host_prefetches;
+      } else if (issue[i].pieces) {
+        prefetch_log_[log_index].push_back(issue[i].tensor);
+        ++stats_.arrivals_in_pieces;
       } else {
         prefetch_log_[log_index].push_back(issue[i].tensor);
         ++stats_.prefetches;
       }
     }
     if (device_failed) next_to_issue_ = std::min(next_to_issue_, current + 1);
+    if (pieces_failed != Schedule::kNever) next_to_issue_ = std::min(next_to_issue_, pieces_failed);
     if (host_failed) next_to_stage_ = std::min(next_to_stage_, restage_from);
   }
 }

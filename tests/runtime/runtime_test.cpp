@@ -472,6 +472,96 @@ TEST_F(RuntimeTest, ATensorAskedForFirstIsReadFirst) {
   }
 }
 
+// Note [Arrival in pieces]: the device holds A (leased) and 384 KiB free; B (640 KiB) claims
+// A's room: the 6 chunks that fit the free part are sent at once, the other 4 once A's lease ends.
+TEST_F(RuntimeTest, ANextTensorArrivesInPiecesAsTheCurrentOneLeaves) {
+  for (const bool from_host : {false, true}) {
+    RuntimeOptions o = small_options(dir_.path());
+    o.backend.device_budget_bytes = 1 * MiB;
+    o.host_budget_bytes = 2 * MiB;
+    o.host_copy_on_the_way = false;
+    auto rt = std::make_unique<Runtime>(o);
+    const auto a = pattern(640 * KiB, 1), b = pattern(640 * KiB, 2);
+    const TensorId ta = rt->create_tensor(desc("a", a.size()), Tier::Nvme, a.data());
+    const TensorId tb = rt->create_tensor(desc("b", b.size()), Tier::Nvme, b.data());
+    if (from_host) rt->acquire(tb, Tier::Host, Access::Read).get().release();
+    Lease la = rt->acquire(ta, Tier::Device, Access::Read).get();
+    EXPECT_THROW(rt->prefetch(tb, Tier::Device), OutOfMemoryError);  // no room the usual way
+    ASSERT_TRUE(rt->prefetch_replacing(tb, {ta}));
+    EXPECT_TRUE(rt->resident(tb, Tier::Device));  // on its way
+    EXPECT_TRUE(rt->resident(ta, Tier::Device));
+    EXPECT_EQ(leased_bytes(la), a);  // A untouched while its lease lasts
+    const std::uint64_t released = rt->telemetry().now_ns();
+    la.release();
+    EXPECT_EQ(leased_bytes(rt->acquire(tb, Tier::Device, Access::Read).get()), b);
+    EXPECT_FALSE(rt->resident(ta, Tier::Device));  // dropped for B, not kept
+    rt->synchronize();
+    int before = 0, after = 0;
+    const Track lane = from_host ? Track::H2D : Track::NvmeRead;
+    for (const TraceEvent& e : rt->telemetry().events())
+      if (e.tensor == tb && e.track == lane) ++(e.start_ns < released ? before : after);
+    if (from_host) {
+      EXPECT_EQ(before + after, 10);  // a copy span starts when the stream gets to it
+    } else {
+      EXPECT_EQ(before, 6);  // a read's span starts when it is sent
+      EXPECT_EQ(after, 4);
+    }
+    EXPECT_EQ(rt->transfer_stats().bytes_host_to_device, from_host ? b.size() : 0u);
+    EXPECT_EQ(rt->transfer_stats().bytes_nvme_to_device, a.size() + (from_host ? 0 : b.size()));
+    EXPECT_EQ(rt->tier_stats(Tier::Device).evictions, 1u);
+    EXPECT_EQ(contents(*rt, ta), a);  // still on NVMe
+  }
+}
+
+TEST_F(RuntimeTest, AnArrivalInPiecesThatFailsGivesItsClaimsBackAndLosesNothing) {
+  RuntimeOptions o = small_options(dir_.path());
+  o.backend.device_budget_bytes = 1 * MiB;
+  o.host_copy_on_the_way = false;
+  o.io.faults = {parse_fault("read:12:eio")};  // A's load is reads 1-10; B's 2nd chunk fails
+  auto rt = std::make_unique<Runtime>(o);
+  const auto a = pattern(640 * KiB, 5), b = pattern(640 * KiB, 6);
+  const TensorId ta = rt->create_tensor(desc("a", a.size()), Tier::Nvme, a.data());
+  const TensorId tb = rt->create_tensor(desc("b", b.size()), Tier::Nvme, b.data());
+  Lease la = rt->acquire(ta, Tier::Device, Access::Read).get();
+  ASSERT_TRUE(rt->prefetch_replacing(tb, {ta}));
+  rt->synchronize();  // the failed move ends without waiting for A's room
+  EXPECT_FALSE(rt->resident(tb, Tier::Device));
+  la.release();
+  EXPECT_TRUE(rt->resident(ta, Tier::Device));  // the claim lapsed: A is kept
+  EXPECT_EQ(rt->tier_stats(Tier::Device).leased_bytes, 0u);
+  EXPECT_EQ(leased_bytes(rt->acquire(tb, Tier::Device, Access::Read).get()), b);
+  EXPECT_EQ(contents(*rt, ta), a);
+}
+
+TEST_F(RuntimeTest, OnlyCleanCopiesNotLeasedForWritingAreReplaced) {
+  RuntimeOptions o = small_options(dir_.path());
+  o.backend.device_budget_bytes = 1 * MiB;
+  o.host_copy_on_the_way = false;
+  auto rt = std::make_unique<Runtime>(o);
+  const auto a = pattern(640 * KiB, 3), b = pattern(640 * KiB, 4);
+  const TensorId ta = rt->create_tensor(desc("a", a.size()), Tier::Nvme, a.data());
+  const TensorId tb = rt->create_tensor(desc("b", b.size()), Tier::Nvme, b.data());
+  {
+    Lease w = rt->acquire(ta, Tier::Device, Access::ReadWrite).get();
+    EXPECT_FALSE(rt->prefetch_replacing(tb, {ta}));  // leased for writing
+  }
+  {
+    Lease r = rt->acquire(ta, Tier::Device, Access::Read).get();
+    EXPECT_FALSE(rt->prefetch_replacing(tb, {ta}));  // dirty: its only copy
+    EXPECT_FALSE(rt->prefetch_replacing(tb, {}));    // nothing replaceable
+    EXPECT_FALSE(rt->resident(tb, Tier::Device));
+    EXPECT_EQ(leased_bytes(r), a);
+  }
+  EXPECT_TRUE(rt->resident(ta, Tier::Device));
+  // Unleased, clean, replaceable: dropped at once, and the move is an ordinary one.
+  rt->evict(ta, Tier::Device);  // written back: clean below
+  rt->acquire(ta, Tier::Device, Access::Read).get().release();
+  rt->synchronize();  // its copy up from the host has landed: a copy still landing is not taken
+  EXPECT_TRUE(rt->prefetch_replacing(tb, {ta}));
+  EXPECT_EQ(leased_bytes(rt->acquire(tb, Tier::Device, Access::Read).get()), b);
+  EXPECT_FALSE(rt->resident(ta, Tier::Device));
+}
+
 TEST_F(RuntimeTest, MappedTensorsAreNeverWritten) {
   auto rt = make();
   const auto data = pattern(3 * 4096 + 100, 6);

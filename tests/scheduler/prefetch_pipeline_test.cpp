@@ -485,6 +485,7 @@ TEST_F(PrefetchPipelineTest, BeyondTheDeviceWindowTheNextLayersAreStagedOnTheHos
   {
     PipelineOptions po;
     po.across_iterations = false;
+    po.arrival_in_pieces = false;  // the next layer waits for room (a test of its own below)
     PrefetchPipeline p(*rt_, po);
     p.set_schedule(order);
     ASSERT_NO_FATAL_FAILURE(passes(p, 3, "auto"));
@@ -506,6 +507,7 @@ TEST_F(PrefetchPipelineTest, BeyondTheDeviceWindowTheNextLayersAreStagedOnTheHos
     po.across_iterations = false;
     po.prefetch = PrefetchMode::Fixed;
     po.fixed_lookahead = 1;
+    po.arrival_in_pieces = false;
     PrefetchPipeline p(*rt_, po);
     p.set_schedule(order);
     ASSERT_NO_FATAL_FAILURE(passes(p, 1, "fixed 1"));
@@ -523,4 +525,53 @@ TEST_F(PrefetchPipelineTest, BeyondTheDeviceWindowTheNextLayersAreStagedOnTheHos
 }
 
 }  // namespace
+// Note [Arrival in pieces]: the device holds one 256 KiB layer and half of another. While step s
+// runs, layer s + 1 is already arriving on the device, over the room of layer s, which is
+// dropped when its lease ends; every layer is still read from NVMe once a pass.
+TEST_F(PrefetchPipelineTest, TheNextLayerArrivesInPiecesWhileTheCurrentOneComputes) {
+  Budgets b;
+  b.device = 384 * KiB;
+  b.host = 4 * 64 * KiB + 1 * MiB + 128 * KiB;
+  auto o = small_options(dir_.path(), b);
+  o.backend.link_gbps = 1.0;  // host -> device copies go over a link, chunk by chunk
+  rt_ = std::make_unique<Runtime>(o);
+  const std::size_t n = 8, bytes = 256 * KiB;
+  for (std::size_t i = 0; i < n; ++i) {
+    data_.push_back(pattern(bytes, static_cast<unsigned>(i + 20)));
+    layers_.push_back(rt_->create_tensor(desc("layer" + std::to_string(i), bytes), Tier::Nvme,
+                                         data_.back().data()));
+  }
+  Schedule order;
+  for (std::size_t i = 0; i < n; ++i)
+    order.append({"layer" + std::to_string(i), {{layers_[i], Use::Read}}});
+  PipelineOptions po;
+  po.across_iterations = false;
+  PrefetchPipeline p(*rt_, po);
+  p.set_schedule(order);
+  for (int r = 0; r < 2; ++r) {
+    const std::uint64_t read0 = rt_->io()->stats().bytes_read;
+    p.begin_iteration();
+    for (std::size_t s = 0; s < n; ++s) {
+      StepLeases in = p.begin_step("layer" + std::to_string(s), {{layers_[s], Use::Read}});
+      p.drain();  // the planner has issued all it will while this step runs
+      if (s + 1 < n) {
+        EXPECT_TRUE(rt_->resident(layers_[s + 1], Tier::Device))
+            << "pass " << r << ": layer " << s + 1 << " is not arriving during step " << s;
+      }
+      ASSERT_EQ(leased_bytes(in[0]), data_[s]) << "pass " << r << ", step " << s;
+      p.end_step(std::move(in));
+    }
+    p.end_iteration();
+    p.drain();
+    rt_->synchronize();
+    EXPECT_EQ(rt_->io()->stats().bytes_read - read0, n * bytes) << "pass " << r;
+    for (TensorId t : layers_) {
+      rt_->evict(t, Tier::Device);
+      rt_->evict(t, Tier::Host);
+    }
+  }
+  EXPECT_EQ(p.stats().arrivals_in_pieces, 2 * (n - 1));
+  EXPECT_LE(rt_->tier_stats(Tier::Device).peak_bytes, b.device);  // never two whole layers
+}
+
 }  // namespace strata::testing

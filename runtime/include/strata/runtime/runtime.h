@@ -163,6 +163,17 @@ class Runtime {
   LeaseFuture acquire(TensorId tensor, Tier tier, Access access);
   /// Starts moving the tensor to `tier` and returns (making room may evict first).
   void prefetch(TensorId tensor, Tier tier);
+  /// Starts moving the tensor to the device even when the device holds no room for it beside
+  /// `replaceable` copies that the caller will not need again soon (the current step's weights,
+  /// for the next step's): its copy is placed over free space and over those copies' room; the
+  /// free parts land at once, chunk by chunk, and each replaceable copy is dropped when its last
+  /// lease ends (instead of staying resident), its part landing then (Note [Arrival in pieces]).
+  /// Only clean copies not leased for writing are taken. A device lease on the tensor waits for
+  /// the whole copy, and so does synchronize(): release the replaceable leases first, and ask for
+  /// no more device room before (a step that still has tensors to lease must not be replaced).
+  /// Returns true when the move started (or the tensor is there or on its way); false, having
+  /// changed nothing, when even that finds no room. Never writes back.
+  bool prefetch_replacing(TensorId tensor, const std::vector<TensorId>& replaceable);
   /// A speculative prefetch (staging ahead, e.g. NVMe -> host before the device has room): starts
   /// moving the tensor to `tier` (Device or Host) only if room can be made there by dropping
   /// clean copies that the eviction policy would give up before this one, never by a write-back

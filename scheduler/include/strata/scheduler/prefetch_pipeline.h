@@ -41,6 +41,11 @@ struct PipelineOptions {
   /// tier ever writes them back. Off by default: a caller that reads such a tensor between
   /// iterations (outside the steps) would find it discarded.
   bool discard_dead = false;
+  /// While the only step in the device window runs, bring the next step's device tensors over
+  /// the room of the running step's tensors that it does not use (Runtime::prefetch_replacing):
+  /// most of the next layer lands during this step, the rest as its leases end. False: the next
+  /// step's tensors wait for the whole room (staged on the host meanwhile).
+  bool arrival_in_pieces = true;
   /// Use the schedule's farthest-next-use eviction policy for the runtime.
   bool belady = true;
   /// Near the end of an iteration, prefetch the next one's first steps (the steady state of a
@@ -52,11 +57,14 @@ struct PipelineOptions {
 
 struct PipelineStats {
   std::uint64_t steps = 0;
-  std::uint64_t divergences = 0;       ///< steps that differed from the recorded trace
-  std::uint64_t resyncs = 0;           ///< divergences resolved by finding the step further on
-  std::uint64_t on_demand = 0;         ///< steps served without the trace
-  std::uint64_t prefetches = 0;        ///< prefetch requests issued (each use at its tier)
-  std::uint64_t host_prefetches = 0;   ///< device-tier tensors staged on the host ahead
+  std::uint64_t divergences = 0;      ///< steps that differed from the recorded trace
+  std::uint64_t resyncs = 0;          ///< divergences resolved by finding the step further on
+  std::uint64_t on_demand = 0;        ///< steps served without the trace
+  std::uint64_t prefetches = 0;       ///< prefetch requests issued (each use at its tier)
+  std::uint64_t host_prefetches = 0;  ///< device-tier tensors staged on the host ahead
+  /// Device prefetches of the step after the device window that arrive in pieces, over the room
+  /// of the running step's tensors (Runtime::prefetch_replacing)
+  std::uint64_t arrivals_in_pieces = 0;
   std::uint64_t ready_at_begin = 0;    ///< step inputs already resident or arriving at begin
   std::uint64_t inputs = 0;            ///< step inputs in all
   std::uint64_t write_backs = 0;       ///< evictions issued by the write-back thread
@@ -168,6 +176,7 @@ class PrefetchPipeline {
   bool started_ = false;           // a step of this iteration has begun
   std::size_t next_to_issue_ = 0;  ///< global step whose tensors the planner issues next
   std::size_t next_to_stage_ = 0;  ///< global step whose device tensors it stages next
+  std::size_t next_to_claim_ = 0;  ///< global step whose device tensors may arrive in pieces next
   struct WriteBack {
     TensorId tensor;
     Tier tier;
@@ -192,6 +201,8 @@ class PrefetchPipeline {
   std::vector<std::vector<TensorId>> host_prefetch_log_;
   std::uint64_t last_step_ns_ = 0;
   std::uint64_t step_begin_ns_ = 0;
+  /// The step that holds all its leases (begin_step done, end_step not yet); kNever: none.
+  std::size_t leased_step_ = static_cast<std::size_t>(-1);
   std::uint64_t device_bytes_in_at_begin_ = 0;
   std::shared_ptr<Oracle> oracle_;  // the schedule as the eviction policy sees it
   std::thread planner_;
