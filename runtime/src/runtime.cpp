@@ -990,29 +990,37 @@ struct Runtime::Impl {
     }
   }
 
+  // Copies a chunk from host memory (`landing`) up into the device copy on the h2d stream; the
+  // last one enqueued records the event device leases wait on. Lock held.
+  void copy_chunk_up(const std::shared_ptr<Pipeline>& p, std::uint64_t offset, std::byte* landing,
+                     std::size_t len) {
+    Stream& h2d = backend->h2d_stream();
+    const std::uint64_t enqueued = telemetry.now_ns();
+    h2d.copy_async(p->device + offset, landing, len, CopyKind::HostToDevice);
+    if (++p->enqueued == p->chunks && !p->error) {
+      h2d.record(*p->event);
+      Copy& d = p->t->copies[idx(Tier::Device)];
+      d.event = p->event;
+      d.ready = true;  // device leases may go out: the last copy is on the stream
+      changed.notify_all();
+    }
+    h2d.launch_host_func([this, p, landing, enqueued, len, id = p->t->id] {
+      stream_span(h2d_last_ns, Track::H2D, enqueued, len, id);
+      std::unique_lock lock(mutex);
+      --p->in_flight;
+      ++p->done;
+      give_back_slot(p, landing);  // a staging slot, when the chunk came through one
+      pump(p);
+      chunk_done(lock, p);
+    });
+  }
+
   void launch_chunk(const std::shared_ptr<Pipeline>& p, std::size_t k, std::byte* landing) {
     const std::uint64_t offset = k * p->chunk;
     const std::size_t len = static_cast<std::size_t>(std::min(p->chunk, p->bytes - offset));
     const TensorId id = p->t->id;
     if (p->from_host != nullptr) {  // host -> device, chunk by chunk as room is held
-      Stream& h2d = backend->h2d_stream();
-      const std::uint64_t enqueued = telemetry.now_ns();
-      h2d.copy_async(p->device + offset, landing, len, CopyKind::HostToDevice);
-      if (++p->enqueued == p->chunks && !p->error) {
-        h2d.record(*p->event);
-        Copy& d = p->t->copies[idx(Tier::Device)];
-        d.event = p->event;
-        d.ready = true;  // device leases may go out: the last copy is on the stream
-        changed.notify_all();
-      }
-      h2d.launch_host_func([this, p, enqueued, len, id] {
-        stream_span(h2d_last_ns, Track::H2D, enqueued, len, id);
-        std::unique_lock lock(mutex);
-        --p->in_flight;
-        ++p->done;
-        pump(p);
-        chunk_done(lock, p);
-      });
+      copy_chunk_up(p, offset, landing, len);
       return;
     }
     if (p->down) {
@@ -1036,28 +1044,8 @@ struct Runtime::Impl {
             chunk_done(lock, p);
             return;
           }
-          Stream& h2d = backend->h2d_stream();
-          const std::uint64_t enqueued = telemetry.now_ns();
-          h2d.copy_async(p->device + offset, landing, len, CopyKind::HostToDevice);
-          {
-            std::lock_guard lock(mutex);
-            if (++p->enqueued == p->chunks && !p->error) {
-              h2d.record(*p->event);
-              Copy& d = p->t->copies[idx(Tier::Device)];
-              d.event = p->event;
-              d.ready = true;  // device leases may go out: the last copy is on the stream
-              changed.notify_all();
-            }
-          }
-          h2d.launch_host_func([this, p, landing, enqueued, len, id] {
-            stream_span(h2d_last_ns, Track::H2D, enqueued, len, id);
-            std::unique_lock lock(mutex);
-            --p->in_flight;
-            ++p->done;
-            give_back_slot(p, landing);
-            pump(p);
-            chunk_done(lock, p);
-          });
+          std::lock_guard lock(mutex);
+          copy_chunk_up(p, offset, landing, len);
         };
         // A read refused before it starts (a torn extent) fails this chunk like an I/O error,
         // so that queued I/O never throws (Lease::release runs it too).

@@ -18,14 +18,25 @@ namespace {
 
 class PrefetchPipelineTest : public ::testing::Test {
  protected:
-  // `count` layers of 128 KiB homed on NVMe; the device (512 KiB) holds four.
-  void make(std::size_t count, Budgets b = {}) {
-    rt_ = std::make_unique<Runtime>(small_options(dir_.path(), b));
+  // `count` layers of `bytes` homed on NVMe (by default 128 KiB: the 512 KiB device holds four);
+  // `link_gbps` paces host -> device copies (0: unpaced).
+  void make(std::size_t count, Budgets b = {}, std::size_t bytes = 128 * KiB,
+            double link_gbps = 0) {
+    RuntimeOptions o = small_options(dir_.path(), b);
+    o.backend.link_gbps = link_gbps;
+    rt_ = std::make_unique<Runtime>(o);
     for (std::size_t i = 0; i < count; ++i) {
-      data_.push_back(pattern(128 * KiB, static_cast<unsigned>(i)));
-      layers_.push_back(rt_->create_tensor(desc("layer" + std::to_string(i), 128 * KiB), Tier::Nvme,
+      data_.push_back(pattern(bytes, static_cast<unsigned>(i)));
+      layers_.push_back(rt_->create_tensor(desc("layer" + std::to_string(i), bytes), Tier::Nvme,
                                            data_.back().data()));
     }
+  }
+  // One step per layer, in order, reading it on the device.
+  Schedule layer_order() const {
+    Schedule order;
+    for (std::size_t i = 0; i < layers_.size(); ++i)
+      order.append({"layer" + std::to_string(i), {{layers_[i], Use::Read}}});
+    return order;
   }
   // One pass over `steps` (indices into layers_), checking every byte each step sees.
   void pass(PrefetchPipeline& p, const std::vector<std::size_t>& steps) {
@@ -440,18 +451,9 @@ TEST_F(PrefetchPipelineTest, BeyondTheDeviceWindowTheNextLayersAreStagedOnTheHos
   Budgets b;
   b.device = 384 * KiB;
   b.host = 4 * 64 * KiB + 1 * MiB + 128 * KiB;  // staging, then four layers and a half
-  auto o = small_options(dir_.path(), b);
-  o.backend.link_gbps = 1.0;  // host -> device copies go over a link, NVMe reads stage
-  rt_ = std::make_unique<Runtime>(o);
   const std::size_t n = 8, bytes = 256 * KiB;
-  for (std::size_t i = 0; i < n; ++i) {
-    data_.push_back(pattern(bytes, static_cast<unsigned>(i)));
-    layers_.push_back(rt_->create_tensor(desc("layer" + std::to_string(i), bytes), Tier::Nvme,
-                                         data_.back().data()));
-  }
-  Schedule order;
-  for (std::size_t i = 0; i < n; ++i)
-    order.append({"layer" + std::to_string(i), {{layers_[i], Use::Read}}});
+  make(n, b, bytes, 1.0);  // host -> device copies go over a link, NVMe reads stage
+  const Schedule order = layer_order();
 
   // Cold passes; in each step, the planner idle, layer k > s is on the host iff k <= s + ahead,
   // and never on the device (the device holds the current layer only).
@@ -532,22 +534,12 @@ TEST_F(PrefetchPipelineTest, TheNextLayerArrivesInPiecesWhileTheCurrentOneComput
   Budgets b;
   b.device = 384 * KiB;
   b.host = 4 * 64 * KiB + 1 * MiB + 128 * KiB;
-  auto o = small_options(dir_.path(), b);
-  o.backend.link_gbps = 1.0;  // host -> device copies go over a link, chunk by chunk
-  rt_ = std::make_unique<Runtime>(o);
   const std::size_t n = 8, bytes = 256 * KiB;
-  for (std::size_t i = 0; i < n; ++i) {
-    data_.push_back(pattern(bytes, static_cast<unsigned>(i + 20)));
-    layers_.push_back(rt_->create_tensor(desc("layer" + std::to_string(i), bytes), Tier::Nvme,
-                                         data_.back().data()));
-  }
-  Schedule order;
-  for (std::size_t i = 0; i < n; ++i)
-    order.append({"layer" + std::to_string(i), {{layers_[i], Use::Read}}});
+  make(n, b, bytes, 1.0);  // host -> device copies go over a link, chunk by chunk
   PipelineOptions po;
   po.across_iterations = false;
   PrefetchPipeline p(*rt_, po);
-  p.set_schedule(order);
+  p.set_schedule(layer_order());
   for (int r = 0; r < 2; ++r) {
     const std::uint64_t read0 = rt_->io()->stats().bytes_read;
     p.begin_iteration();
