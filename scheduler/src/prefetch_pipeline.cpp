@@ -452,22 +452,25 @@ void PrefetchPipeline::plan() {
         next_to_stage_ = j + 1;
       }
     }
-    // Note [Arrival in pieces]: while the only step in the device window runs, the next step's
-    // tensors cannot have room beside its own; they are placed over the room of the running
-    // step's tensors that the next step does not use, so that most of them lands now and the
-    // rest as those leases end.
+    // Note [Arrival in pieces]: the step after the device window cannot have room beside the
+    // window's; while the window's first step runs, that step's tensors are placed over the room
+    // of the running step's tensors that no step up to it uses again, so that most of them
+    // lands now and the rest as those leases end.
     const std::size_t next = last + 1;
     if (options_.prefetch != PrefetchMode::None && options_.arrival_in_pieces && started_ &&
         start == current && leased_step_ == current && completed_ <= current && next < window_end &&
         !beyond_fixed(next) && next >= next_to_claim_ && next >= next_to_issue_) {
       const std::vector<TensorUse>& now = schedule_.steps()[current % n].uses;
       const std::vector<TensorUse>& then = schedule_.steps()[next % n].uses;
-      const auto used_then = [&](TensorId t) {
-        return std::any_of(then.begin(), then.end(),
-                           [&](const TensorUse& u) { return u.tensor == t; });
+      // Used again by a step up to `next` (the window's, or next's own): not replaced.
+      const auto used_again = [&](TensorId t) {
+        for (std::size_t k = current + 1; k <= next; ++k)
+          for (const TensorUse& u : schedule_.steps()[k % n].uses)
+            if (u.tensor == t) return true;
+        return false;
       };
       for (const TensorUse& u : now)
-        if (u.tier == Tier::Device && u.use == Use::Read && !used_then(u.tensor))
+        if (u.tier == Tier::Device && u.use == Use::Read && !used_again(u.tensor))
           replaceable.push_back(u.tensor);
       bool any = false;
       for (const TensorUse& u : then)

@@ -41,10 +41,10 @@ struct PipelineOptions {
   /// tier ever writes them back. Off by default: a caller that reads such a tensor between
   /// iterations (outside the steps) would find it discarded.
   bool discard_dead = false;
-  /// While the only step in the device window runs, bring the next step's device tensors over
-  /// the room of the running step's tensors that it does not use (Runtime::prefetch_replacing):
-  /// most of the next layer lands during this step, the rest as its leases end. False: the next
-  /// step's tensors wait for the whole room (staged on the host meanwhile).
+  /// While the device window's first step runs, bring the device tensors of the step after the
+  /// window over the room of the running step's tensors that no step up to it uses again
+  /// (Runtime::prefetch_replacing): most of that layer lands during this step, the rest as its
+  /// leases end. False: it waits for the whole room (staged on the host meanwhile).
   bool arrival_in_pieces = true;
   /// Use the schedule's farthest-next-use eviction policy for the runtime.
   bool belady = true;
