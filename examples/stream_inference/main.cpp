@@ -148,6 +148,8 @@ int main(int argc, char** argv) {
                                  {"step_s", r.step_s},
                                  {"step_runs_s", r.step_runs_s},
                                  {"cpu_steal_s", r.cpu_steal_s},
+                                 {"host_prefetches", r.host_prefetches},
+                                 {"arrivals_in_pieces", r.arrivals_in_pieces},
                                  {"blas_threads", openblas_get_num_threads()},
                                  {"blas_thread_timeout", env_or_null("OPENBLAS_THREAD_TIMEOUT")},
                                  {"compute_s", r.compute_s},

@@ -484,8 +484,13 @@ InferenceResult run_streamed(const InferenceConfig& c) {
     if (i + 1 == c.passes) rt.telemetry().clear();  // the trace shows the last pass
     const std::uint64_t read0 = rt.io()->stats().bytes_read;
     const double steal0 = cpu_steal_seconds();
+    p.drain();  // the measuring passes' planning is over before the counts are taken
+    const PipelineStats before = p.stats();
     auto [seconds, out] = pass(true);
     r.cpu_steal_s += cpu_steal_seconds() - steal0;
+    p.drain();
+    r.host_prefetches += p.stats().host_prefetches - before.host_prefetches;
+    r.arrivals_in_pieces += p.stats().arrivals_in_pieces - before.arrivals_in_pieces;
     read_in_passes += rt.io()->stats().bytes_read - read0;
     times.push_back(seconds);
     agree(std::move(out));

@@ -77,6 +77,9 @@ struct InferenceResult {
   std::uint64_t bytes_nvme_read = 0;  ///< read from NVMe (the model file) in the timed passes
   double samples_per_s = 0;
   std::vector<double> step_runs_s;  ///< every timed pass, in order (step_s is their median)
+  /// The prefetch pipeline over the timed streamed passes: layers staged on the host ahead of
+  /// the device window, and device prefetches that arrived in pieces (Note [Arrival in pieces]).
+  std::uint64_t host_prefetches = 0, arrivals_in_pieces = 0;
   /// CPU time the hypervisor stole during the timed passes, all CPUs summed: on a shared VM a
   /// slow pass next to a large steal is the machine, not the pipeline.
   double cpu_steal_s = 0;
