@@ -20,10 +20,11 @@ class PrefetchPipelineTest : public ::testing::Test {
  protected:
   // `count` layers of `bytes` homed on NVMe (by default 128 KiB: the 512 KiB device holds four);
   // `link_gbps` paces host -> device copies (0: unpaced).
-  void make(std::size_t count, Budgets b = {}, std::size_t bytes = 128 * KiB,
-            double link_gbps = 0) {
+  void make(std::size_t count, Budgets b = {}, std::size_t bytes = 128 * KiB, double link_gbps = 0,
+            bool host_copy_on_the_way = true) {
     RuntimeOptions o = small_options(dir_.path(), b);
     o.backend.link_gbps = link_gbps;
+    o.host_copy_on_the_way = host_copy_on_the_way;
     rt_ = std::make_unique<Runtime>(o);
     for (std::size_t i = 0; i < count; ++i) {
       data_.push_back(pattern(bytes, static_cast<unsigned>(i)));
@@ -564,6 +565,47 @@ TEST_F(PrefetchPipelineTest, TheNextLayerArrivesInPiecesWhileTheCurrentOneComput
   }
   EXPECT_EQ(p.stats().arrivals_in_pieces, 2 * (n - 1));
   EXPECT_LE(rt_->tier_stats(Tier::Device).peak_bytes, b.device);  // never two whole layers
+}
+
+// A tensor of the running step that a later step of the window uses again is not replaced: A
+// is used by steps 0 and 1, and C (after the window) may only claim step 1's room. With no host
+// copies on the way, replacing A at step 0 would read it from NVMe twice a pass.
+TEST_F(PrefetchPipelineTest, ATensorUsedAgainInTheWindowIsNotReplaced) {
+  Budgets b;
+  b.device = 640 * KiB;  // A and B (256 KiB each) and a half
+  b.host = 4 * 64 * KiB + 1 * MiB;
+  make(3, b, 256 * KiB, 1.0, /*host_copy_on_the_way=*/false);
+  const TensorId a = layers_[0], bl = layers_[1], c = layers_[2];
+  Schedule order;
+  order.append({"s0", {{a, Use::Read}}});
+  order.append({"s1", {{bl, Use::Read}, {a, Use::Read}}});
+  order.append({"s2", {{c, Use::Read}}});
+  PipelineOptions po;
+  po.across_iterations = false;
+  PrefetchPipeline p(*rt_, po);
+  p.set_schedule(order);
+  for (int r = 0; r < 2; ++r) {
+    const std::uint64_t read0 = rt_->io()->stats().bytes_read;
+    p.begin_iteration();
+    for (std::size_t s = 0; s < order.size(); ++s) {
+      StepLeases in = p.begin_step(order.steps()[s].name, order.steps()[s].uses);
+      p.drain();
+      if (s == 0) EXPECT_TRUE(rt_->resident(a, Tier::Device));
+      for (std::size_t i = 0; i < in.size(); ++i) {
+        const TensorId t = order.steps()[s].uses[i].tensor;
+        ASSERT_EQ(leased_bytes(in[i]), data_[t == a ? 0 : t == bl ? 1 : 2]) << "step " << s;
+      }
+      p.end_step(std::move(in));
+    }
+    p.end_iteration();
+    p.drain();
+    rt_->synchronize();
+    EXPECT_EQ(rt_->io()->stats().bytes_read - read0, 3 * 256 * KiB) << "pass " << r;
+    for (TensorId t : layers_) {
+      rt_->evict(t, Tier::Device);
+      rt_->evict(t, Tier::Host);
+    }
+  }
 }
 
 }  // namespace strata::testing
