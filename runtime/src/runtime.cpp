@@ -597,7 +597,7 @@ struct Runtime::Impl {
         TensorState* o = part.second;
         if (o == nullptr || at + part.first <= best || at >= best + need) continue;
         o->copies[idx(Tier::Device)].claimed_by = t.id;
-        if (droppable(*o)) drop_claimed(*o);
+        drop_if_claimed(lock, *o);
       }
       grant(t.id);  // the free parts (or all of it, when nothing claimed is leased)
     }
@@ -620,6 +620,17 @@ struct Runtime::Impl {
   static bool droppable(const TensorState& o) {
     const Copy& c = o.copies[idx(Tier::Device)];
     return c.claimed_by != 0 && c.leases == 0 && c.pins == 0 && c.state == CopyState::Valid;
+  }
+
+  // Drops o's device copy if it is claimed and droppable, and finishes the claimant's move if
+  // that made it fail with nothing in flight. Returns with the lock held; true if it dropped.
+  bool drop_if_claimed(std::unique_lock<std::mutex>& lock, TensorState& o) {
+    if (!droppable(o)) return false;
+    const TensorId claimant = o.copies[idx(Tier::Device)].claimed_by;
+    drop_claimed(o);
+    finish_failed_arrival(lock, claimant);
+    if (!lock.owns_lock()) lock.lock();
+    return true;
   }
 
   // A claimed copy whose last lease ended: dropped (clean), its room granted to the claimant;
@@ -769,12 +780,7 @@ struct Runtime::Impl {
     --moves_in_flight;
     // Note [Arrival in pieces]: a claimed copy whose leases ended while it landed or was a
     // move's source goes now.
-    if ((dst == Tier::Device || src == Tier::Device) && droppable(t)) {
-      const TensorId claimant = t.copies[idx(Tier::Device)].claimed_by;
-      drop_claimed(t);
-      finish_failed_arrival(lock, claimant);
-      if (!lock.owns_lock()) lock.lock();
-    }
+    if (dst == Tier::Device || src == Tier::Device) drop_if_claimed(lock, t);
     changed.notify_all();
     run_after_unlock(lock);
   }
@@ -1284,12 +1290,7 @@ void Lease::release() noexcept {
       if (c.leases == 0 && c.ptr != nullptr) rt.stats[idx(tier_)].leased_bytes -= t.desc.bytes;
       // Note [Arrival in pieces]: a claimed copy goes when its last lease ends; the claimant's
       // chunks into its room start (their I/O after the unlock, and never throws).
-      if (tier_ == Tier::Device && rt.droppable(t)) {  // else once it lands or its pins go
-        const TensorId claimant = c.claimed_by;
-        rt.drop_claimed(t);
-        rt.finish_failed_arrival(lock, claimant);
-        if (lock.owns_lock()) rt.run_after_unlock(lock);
-      }
+      if (tier_ == Tier::Device && rt.drop_if_claimed(lock, t)) rt.run_after_unlock(lock);
     }
   }
   rt.changed.notify_all();
