@@ -473,15 +473,14 @@ void PrefetchPipeline::plan() {
         if (u.tier == Tier::Device && u.use == Use::Read && !used_again(u.tensor))
           replaceable.push_back(u.tensor);
       bool any = false;
-      for (const TensorUse& u : then)
-        if (u.tier == Tier::Device && u.use == Use::Read &&
-            pending_writer(u.tensor, next) == Schedule::kNever) {
-          issue.push_back({u.tensor, Tier::Device, next, false, true});
-          any = true;
-        }
-      if (replaceable.empty()) {
-        std::erase_if(issue, [](const Issue& e) { return e.pieces; });
-      } else if (any) {
+      if (!replaceable.empty())
+        for (const TensorUse& u : then)
+          if (u.tier == Tier::Device && u.use == Use::Read &&
+              pending_writer(u.tensor, next) == Schedule::kNever) {
+            issue.push_back({u.tensor, Tier::Device, next, false, true});
+            any = true;
+          }
+      if (any) {
         next_to_claim_ = next + 1;
         next_to_issue_ = next + 1;  // issued here, once; a claim that fails is issued again
       }
