@@ -1,0 +1,203 @@
+// Runtime::Impl, the residency core: the tensor table, per-tier space, the moves between tiers
+// and the leases, under one mutex. Copies and I/O run outside the mutex and report back through
+// callbacks that take it briefly. This header declares the core's state and operations; each
+// group is defined in the file its heading names (all under runtime/src/residency/):
+//   table.cpp           construction, lookups, tier facts, occupancy
+//   space.cpp           allocating, freeing, compacting, making room by eviction and write-back
+//   arrival.cpp         a device copy that lands in pieces over copies it replaces
+//   moves.cpp           starting a move between two tiers and finishing it
+//   chunk_pipeline.cpp  NVMe <-> device moves (and host -> device in pieces) chunk by chunk
+//   requests.cpp        making a tier hold a tensor's newest bytes; discarding them
+//   leases.cpp          Lease and LeaseFuture
+// The public API (runtime/src/runtime.cpp) takes the mutex and calls these.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "state.h"
+#include "strata/runtime/memory_pool.h"
+#include "strata/runtime/runtime.h"
+
+namespace strata {
+
+struct Runtime::Impl {
+  using CopyState = residency::CopyState;
+  using Copy = residency::Copy;
+  using TensorState = residency::TensorState;
+  static constexpr std::size_t kTiers = residency::kTiers;
+
+  struct Pipeline;
+
+  RuntimeOptions options;
+  Telemetry telemetry;
+  std::unique_ptr<Backend> backend;
+  std::unique_ptr<IoEngine> io;
+  std::unique_ptr<SwapSpace> swap;
+  PinnedBuffer slab;
+  std::unique_ptr<MemoryPool> host_pool;
+  std::vector<std::byte*> staging_free;
+  std::deque<std::shared_ptr<Pipeline>> staging_waiters;
+  // Note [Arrival in pieces]: device copies whose block is still partly held by claimed copies.
+  struct Arrival {
+    std::byte* base = nullptr;
+    std::size_t bytes = 0;  // the block's size (rounded to the device granule)
+    std::vector<std::pair<std::size_t, std::size_t>> owned;  // pool blocks held: [offset, length)
+    std::shared_ptr<Pipeline> pipeline;                      // the move landing in it, once started
+  };
+  std::unordered_map<TensorId, Arrival> arrivals;
+
+  mutable std::mutex mutex;
+  std::condition_variable changed;
+  std::unordered_map<TensorId, std::unique_ptr<TensorState>> tensors;
+  TensorId next_id = 1;
+  std::uint64_t clock = 0;
+  int moves_in_flight = 0;
+  std::array<TierStats, kTiers> stats{};
+  std::array<std::array<std::uint64_t, kTiers>, kTiers> path_bytes{};  // [from][to]
+  std::shared_ptr<EvictionPolicy> policy = std::make_shared<LruPolicy>();
+  std::atomic<std::uint64_t> h2d_last_ns{0}, d2h_last_ns{0};
+  // I/O submissions queued while the lock was held; run by the caller after unlocking (an I/O
+  // completion may run inline on failure and take the lock).
+  std::vector<std::function<void()>> io_after_unlock_;
+
+  // ---- table.cpp (lock held, except the constructor and destructor) ----
+
+  explicit Impl(RuntimeOptions o);
+  ~Impl();
+  TensorState& get(TensorId id);
+  bool has_tier(Tier t) const { return t != Tier::Nvme || swap != nullptr; }
+  void require_tier(Tier t, const char* what) const;
+  std::uint64_t used(Tier t) const;
+  void note_occupancy(Tier t);
+  // A current copy with no current copy below it: evicting it needs a write-back.
+  bool dirty(const TensorState& t, Tier tier) const;
+  // The tier a dirty copy on `tier` is written back to; nullopt when there is none.
+  std::optional<Tier> below(Tier tier) const;
+  MemoryPool* pool(Tier t);
+  // The tier a move into `dst` reads from: a current copy, settled ones first.
+  Tier source_for(const TensorState& t, Tier dst) const;
+
+  // ---- space.cpp (lock held) ----
+
+  bool try_alloc(TensorState& t, Tier tier);
+  // Frees t's copy on `tier` (no write-back); a device copy claimed for an arrival in pieces
+  // grants its room to the claimant.
+  void free_space(TensorState& t, Tier tier);
+  std::vector<TensorState*> evictable(Tier tier, const TensorState& exclude);
+  [[noreturn]] void out_of_memory(Tier tier, const TensorState& t);
+  // Slides unleased copies down into the holes before them until a block of `bytes` exists.
+  bool compact(Tier tier, std::uint64_t bytes);
+  // Places t's copy on `tier` from free space, compacting when the free bytes would hold it but
+  // no free block does; false when only evictions can make room.
+  bool place(TensorState& t, Tier tier);
+  // Makes space for t's copy on `tier`; may evict (with write-backs) and block.
+  void make_room(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier);
+  // Runtime::stage: room for t's copy on `tier` from free space, compaction, or clean copies the
+  // policy ranks before t itself (t is shown to it as a candidate: if it would go first, the
+  // staging would evict something needed sooner). Never writes back, never waits.
+  bool stage(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier);
+  // Drops t's copy on `tier`, writing it back below first when it is dirty. Blocks.
+  void evict_copy(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier);
+  // Writes t's newest copy on `tier` to the tier below (Host, or Nvme when the host is full).
+  void write_back(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier);
+
+  // ---- arrival.cpp (Note [Arrival in pieces]; lock held) ----
+
+  // Runtime::prefetch_replacing.
+  bool prefetch_replacing(std::unique_lock<std::mutex>& lock, TensorState& t,
+                          const std::vector<TensorId>& replaceable);
+  // Takes every free part of the claimant's block; starts its chunks now in room.
+  void grant(TensorId claimant);
+  // Is [from, to) of the tensor's device copy held (not waiting for a claimed copy)?
+  bool held(TensorId id, std::size_t from, std::size_t to) const;
+  // A claim that failed (drop_claimed) with nothing of its move in flight: finish it now. May
+  // unlock.
+  void finish_failed_arrival(std::unique_lock<std::mutex>& lock, TensorId claimant);
+  // A claimed device copy goes once it has landed, its leases have ended and no move reads it.
+  static bool droppable(const TensorState& o);
+  // Drops o's device copy if it is claimed and droppable, and finishes the claimant's move if
+  // that made it fail with nothing in flight. Returns with the lock held; true if it dropped.
+  bool drop_if_claimed(std::unique_lock<std::mutex>& lock, TensorState& o);
+  // A claimed copy whose last lease ended: dropped (clean), its room granted to the claimant;
+  // if a write made it dirty meanwhile, the claim fails instead and the copy stays.
+  void drop_claimed(TensorState& o);
+
+  // ---- moves.cpp ----
+
+  // Starts moving t's newest bytes from `src` into its (allocated) copy on `dst`. Lock held; I/O
+  // is queued for run_after_unlock.
+  void start_load(std::unique_lock<std::mutex>& lock, TensorState& t, Tier dst, Tier src);
+  // Completion of a move into `dst` (any thread; takes the lock).
+  // `via`: the tier the bytes passed through on the way (a kept host copy), if any.
+  void finish_move(TensorState& t, Tier dst, Tier src, std::exception_ptr error,
+                   std::uint64_t version, std::optional<Tier> via = std::nullopt);
+  // Records a stream copy's span: it began when the previous work on its stream finished.
+  void stream_span(std::atomic<std::uint64_t>& last, Track track, std::uint64_t enqueued,
+                   std::uint64_t bytes, TensorId id);
+  // Runs io_after_unlock_ with the lock released; returns with it held.
+  void run_after_unlock(std::unique_lock<std::mutex>& lock);
+
+  // ---- chunk_pipeline.cpp (Note [Chunk pipeline]; lock held) ----
+
+  // One chunked move in flight.
+  struct Pipeline {
+    TensorState* t = nullptr;
+    bool down = true;  // Nvme -> Device
+    Tier dst = Tier::Device, src = Tier::Nvme;
+    std::uint64_t version = 0;
+    ExtentId extent = 0;
+    std::byte* device = nullptr;
+    std::byte* host = nullptr;  // landing in the host copy, or null for staging
+    bool direct = false;        // Note [Direct NVMe to device]: landing in the device copy
+    const std::byte* from_host = nullptr;  // Note [Arrival in pieces]: host -> device in chunks
+    std::uint64_t bytes = 0, chunk = 0;
+    std::size_t chunks = 0, launched = 0, enqueued = 0, done = 0, in_flight = 0, max_in_flight = 2;
+    std::vector<bool> started;      // chunks launched (in order, except while room is arriving)
+    std::vector<std::byte*> slots;  // staging slots held and free for the next chunk
+    std::exception_ptr error;
+    std::shared_ptr<Event> event;
+  };
+  void start_pipeline(TensorState& t, Tier dst, Tier src, std::uint64_t version);
+  // The first chunk not launched whose device room is held; chunks() when there is none.
+  std::size_t next_chunk(const Pipeline& p) const;
+  // Starts as many chunks as slots and held room allow (lock held; I/O queued for after unlock).
+  void pump(const std::shared_ptr<Pipeline>& p);
+  void give_back_slot(const std::shared_ptr<Pipeline>& p, std::byte* slot);
+  // Copies a chunk from host memory (`landing`) up into the device copy on the h2d stream; the
+  // last one enqueued records the event device leases wait on.
+  void copy_chunk_up(const std::shared_ptr<Pipeline>& p, std::uint64_t offset, std::byte* landing,
+                     std::size_t len);
+  void launch_chunk(const std::shared_ptr<Pipeline>& p, std::size_t k, std::byte* landing);
+  // After a chunk: run queued I/O, and finish the pipeline when nothing is left in flight.
+  void chunk_done(std::unique_lock<std::mutex>& lock, const std::shared_ptr<Pipeline>& p);
+
+  // ---- requests.cpp (lock held) ----
+
+  // Leases on `t` other than one on `own` (the caller's).
+  static bool leased_elsewhere(const TensorState& t, Tier own);
+  // Frees every copy of `t` with no write-back and marks it discarded. `own`, when not null, is
+  // the caller's lease on it, which ends here; while the moves in flight finish, that lease keeps
+  // anyone from evicting (and so writing back) the dead bytes. False when someone else leased it
+  // meanwhile (then nothing changed); throws for a mapping or other leases without `own`.
+  bool discard(std::unique_lock<std::mutex>& lock, TensorState& t, Lease* own);
+  // Makes `tier` hold (or receive) the tensor's newest bytes (starting a move if needed);
+  // returns with space reserved. `access` Write only makes space (write-discard); `prefetch`
+  // requests are dropped for discarded tensors instead of failing.
+  void ensure(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier, bool count,
+              Access access, bool prefetch = false);
+};
+
+}  // namespace strata

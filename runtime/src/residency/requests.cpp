@@ -1,0 +1,138 @@
+// Residency requests: making a tier hold (or receive) a tensor's newest bytes, starting the move
+// and making the room it needs, and discarding a tensor's bytes everywhere.
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <string>
+
+#include "impl.h"
+#include "strata/io/device_limits.h"
+#include "strata/io/error.h"
+#include "strata/io/pages.h"
+#include "strata/io/units.h"
+
+namespace strata {
+
+using namespace residency;  // NOLINT(google-build-using-namespace): the core's own records
+
+bool Runtime::Impl::leased_elsewhere(const TensorState& t, Tier own) {
+  for (Tier tier : {Tier::Device, Tier::Host}) {
+    const unsigned mine = tier == own ? 1 : 0;
+    if (t.copies[idx(tier)].leases > mine) return true;
+  }
+  return false;
+}
+
+bool Runtime::Impl::discard(std::unique_lock<std::mutex>& lock, TensorState& t, Lease* own) {
+  const Tier own_tier = own != nullptr ? own->tier() : Tier::Nvme;
+  STRATA_EXPECTS(!t.copies[idx(Tier::Nvme)].mapped, "discard \"", t.desc.name,
+                 "\": it is a read-only mapping of a file");
+  const auto check_leases = [&] {
+    for (Tier tier : {Tier::Device, Tier::Host})
+      STRATA_EXPECTS(t.copies[idx(tier)].leases == 0, "discard \"", t.desc.name,
+                     "\": it is leased on ", to_string(tier));
+  };
+  if (own == nullptr) check_leases();
+  changed.wait(lock, [&] {
+    if (t.moves != 0) return false;
+    for (const Copy& c : t.copies)
+      if (c.pins != 0 || c.state == CopyState::Evicting) return false;
+    return true;
+  });
+  if (own == nullptr) {
+    check_leases();  // leased while the moves finished
+  } else {
+    if (leased_elsewhere(t, own_tier)) return false;
+    Copy& c = t.copies[idx(own_tier)];
+    --c.leases;
+    if (writes(own->access()) && c.write_leases > 0) --c.write_leases;
+    stats[idx(own_tier)].leased_bytes -= t.desc.bytes;
+  }
+  for (Tier tier : {Tier::Device, Tier::Host, Tier::Nvme})
+    free_space(t, tier);
+  t.discarded = true;
+  changed.notify_all();
+  return true;
+}
+
+void Runtime::Impl::ensure(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier,
+                           bool count, Access access, bool prefetch) {
+  for (;;) {
+    Copy& c = t.copies[idx(tier)];
+    if (c.state == CopyState::Evicting ||
+        (c.state == CopyState::Loading && c.version != t.version)) {
+      changed.wait(lock);
+      continue;
+    }
+    if (c.state == CopyState::Loading) {
+      if (count) ++stats[idx(tier)].hits;  // already on its way (a prefetch hit)
+      return;
+    }
+    if (t.current(tier)) {
+      if (count) ++stats[idx(tier)].hits;
+      c.ready = true;
+      return;
+    }
+    if (access == Access::Write || t.discarded) {
+      if (access != Access::Write) {
+        if (prefetch) return;
+        STRATA_FAIL(Errc::invalid_argument, "tensor \"", t.desc.name,
+                    "\" was discarded: its bytes are gone until a write lease "
+                    "(Access::Write) or write() fills it");
+      }
+      if (count) ++stats[idx(tier)].hits;  // nothing to move
+      count = false;
+      make_room(lock, t, tier);
+      const Copy& now = t.copies[idx(tier)];
+      if (now.state == CopyState::Loading || now.state == CopyState::Evicting || t.current(tier))
+        continue;
+      Copy& fresh = t.copies[idx(tier)];
+      fresh.state = CopyState::Valid;  // bytes unspecified until the write lease ends
+      fresh.version = t.version;
+      fresh.ready = true;
+      fresh.error = nullptr;
+      fresh.event.reset();
+      fresh.last_use = ++clock;
+      return;
+    }
+    // A write lease on a copy still finishing its load makes that copy the only current one
+    // before it is Valid: wait for the load to land rather than pick no source.
+    if (!t.current(Tier::Device) && !t.current(Tier::Host) && !t.current(Tier::Nvme)) {
+      changed.wait(lock);
+      continue;
+    }
+    // A device load while the tensor's host copy is landing (a prefetch staged it from NVMe
+    // ahead of the device) waits for that copy and moves from it: NVMe is read once.
+    if (tier == Tier::Device) {
+      const Copy& h = t.copies[idx(Tier::Host)];
+      if (h.state == CopyState::Loading && h.version == t.version) {
+        changed.wait(lock);
+        continue;
+      }
+    }
+    if (count) ++stats[idx(tier)].misses;
+    count = false;  // one request counts once, however often it loops
+    const Tier src = source_for(t, tier);
+    ++t.copies[idx(src)].pins;  // keep the source while room is made
+    try {
+      make_room(lock, t, tier);
+    } catch (...) {
+      --t.copies[idx(src)].pins;
+      throw;
+    }
+    --t.copies[idx(src)].pins;
+    // make_room may have waited: another thread may have loaded the copy, or be loading it.
+    // Start over rather than load into a copy that readers may already be using.
+    const Copy& now = t.copies[idx(tier)];
+    if (now.state == CopyState::Loading || now.state == CopyState::Evicting || t.current(tier))
+      continue;
+    start_load(lock, t, tier, source_for(t, tier));
+    t.copies[idx(tier)].last_use = ++clock;  // a prefetch announces a use: not LRU's victim
+    run_after_unlock(lock);
+    return;
+  }
+}
+
+}  // namespace strata

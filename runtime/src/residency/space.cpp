@@ -1,0 +1,285 @@
+// Per-tier space: allocating and freeing a copy's block, compaction, and making room by
+// eviction (the policy picks the victims; dirty ones are written back first). Starts a move only
+// to write a victim back (write_back) or to stage a tensor (stage).
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <string>
+
+#include "impl.h"
+#include "strata/io/device_limits.h"
+#include "strata/io/error.h"
+#include "strata/io/pages.h"
+#include "strata/io/units.h"
+
+namespace strata {
+
+using namespace residency;  // NOLINT(google-build-using-namespace): the core's own records
+
+bool Runtime::Impl::try_alloc(TensorState& t, Tier tier) {
+  Copy& c = t.copies[idx(tier)];
+  if (c.has_space()) return true;
+  const std::uint64_t bytes = t.desc.bytes;
+  if (tier == Tier::Device) {
+    c.ptr = static_cast<std::byte*>(backend->device_pool().try_allocate(bytes, 256));
+  } else if (tier == Tier::Host) {
+    c.ptr = static_cast<std::byte*>(host_pool->try_allocate(bytes, kPageBytes));
+  } else {
+    try {
+      c.extent = swap->allocate(bytes);
+      c.mapped = false;
+    } catch (const OutOfMemoryError&) {
+      return false;
+    }
+  }
+  if (c.has_space()) note_occupancy(tier);
+  return c.has_space();
+}
+
+void Runtime::Impl::free_space(TensorState& t, Tier tier) {
+  Copy& c = t.copies[idx(tier)];
+  const TensorId claimant = tier == Tier::Device ? c.claimed_by : 0;
+  if (c.ptr != nullptr) {
+    if (tier == Tier::Device) {
+      if (const auto a = arrivals.find(t.id); a != arrivals.end()) {
+        for (const auto& [offset, length] : a->second.owned)
+          backend->deallocate_device(a->second.base + offset);
+        arrivals.erase(a);
+        for (auto& [id, o] : tensors)  // its claims lapse: those copies stay
+          if (o->copies[idx(Tier::Device)].claimed_by == t.id)
+            o->copies[idx(Tier::Device)].claimed_by = 0;
+      } else {
+        backend->deallocate_device(c.ptr);
+      }
+    } else {
+      host_pool->deallocate(c.ptr);
+    }
+  }
+  if (c.extent != 0) swap->release(c.extent);
+  const bool had = c.has_space();
+  c = Copy{};
+  if (had) note_occupancy(tier);
+  if (claimant != 0) grant(claimant);
+}
+
+std::vector<TensorState*> Runtime::Impl::evictable(Tier tier, const TensorState& exclude) {
+  std::vector<TensorState*> out;
+  for (auto& [id, t] : tensors) {
+    if (t.get() == &exclude) continue;
+    const Copy& c = t->copies[idx(tier)];
+    if (!c.has_space() || c.leases > 0 || c.pins > 0) continue;
+    if (c.state != CopyState::Valid) continue;
+    if (dirty(*t, tier) && !below(tier)) continue;  // the only copy, nowhere to go
+    out.push_back(t.get());
+  }
+  return out;
+}
+
+void Runtime::Impl::out_of_memory(Tier tier, const TensorState& t) {
+  std::string leased;
+  std::uint64_t leased_bytes = 0;
+  for (auto& [id, other] : tensors) {
+    const Copy& c = other->copies[idx(tier)];
+    if (!c.has_space()) continue;
+    if (c.leases > 0 || c.pins > 0 || c.state == CopyState::Loading) {
+      leased +=
+          detail::concat(leased.empty() ? "" : ", ", "\"", other->desc.name, "\" (",
+                         other->desc.bytes, " bytes", c.leases ? ", leased" : ", in use", ")");
+      leased_bytes += other->desc.bytes;
+    }
+  }
+  std::uint64_t free = 0, largest = 0;
+  if (MemoryPool* p = pool(tier)) {
+    const PoolStats s = p->stats();
+    free = s.free_bytes;
+    largest = s.largest_free_bytes;
+  } else if (swap) {
+    const RangeStats s = swap->stats();
+    free = s.free_bytes;
+    largest = s.largest_free_bytes;
+  }
+  throw OutOfMemoryError(
+      std::string(to_string(tier)), t.desc.bytes, free, largest,
+      detail::concat("tensor \"", t.desc.name,
+                     "\" cannot be placed: everything else on the tier "
+                     "is in use (",
+                     leased_bytes, " bytes: ",
+                     leased.empty() ? "nothing; the tier is smaller than the tensor" : leased,
+                     ")"));
+}
+
+bool Runtime::Impl::compact(Tier tier, std::uint64_t bytes) {
+  MemoryPool* p = pool(tier);
+  std::map<std::byte*, TensorState*> by_address;
+  for (auto& [id, t] : tensors)
+    if (t->copies[idx(tier)].ptr != nullptr) by_address.emplace(t->copies[idx(tier)].ptr, t.get());
+  bool moved = false;
+  for (auto& [addr, t] : by_address) {
+    Copy& c = t->copies[idx(tier)];
+    if (c.leases > 0 || c.pins > 0 || c.state != CopyState::Valid) continue;
+    // The free block that ends where this copy starts, if any.
+    std::byte* gap = nullptr;
+    for (const auto& [fp, fb] : p->free_blocks())
+      if (fp + fb == c.ptr) gap = fp;
+    if (gap == nullptr) continue;
+    const std::size_t size = align_up(t->desc.bytes, tier == Tier::Host ? kPageBytes : 256);
+    const std::size_t step = static_cast<std::size_t>(c.ptr - gap);  // no chunk overlaps
+    std::byte* old = c.ptr;
+    p->deallocate(old);
+    if (!p->allocate_at(gap, size)) {  // cannot happen: [gap, old + size) is free
+      STRATA_FAIL(Errc::internal, "compaction lost a block on tier ", to_string(tier));
+    }
+    const CopyKind kind = tier == Tier::Device ? CopyKind::DeviceToDevice : CopyKind::HostToHost;
+    for (std::size_t at = 0; at < size; at += step)
+      backend->copy(gap + at, old + at, std::min(step, size - at), kind);
+    c.ptr = gap;
+    ++stats[idx(tier)].compactions;
+    moved = true;
+    if (p->stats().largest_free_bytes >= bytes) break;
+  }
+  return moved;
+}
+
+bool Runtime::Impl::place(TensorState& t, Tier tier) {
+  for (;;) {
+    if (try_alloc(t, tier)) return true;
+    MemoryPool* p = pool(tier);
+    if (p == nullptr || p->stats().free_bytes < align_up(t.desc.bytes, kPageBytes) ||
+        !compact(tier, t.desc.bytes))
+      return false;
+  }
+}
+
+void Runtime::Impl::make_room(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier) {
+  for (;;) {
+    if (place(t, tier)) return;
+    // Copies still landing are shown to the policy too: if it would rather evict one of those,
+    // wait for it to land; otherwise evict its choice now, without waiting for the link.
+    auto candidates = evictable(tier, t);
+    std::vector<TensorState*> landing;
+    for (auto& [id, o] : tensors) {
+      const Copy& c = o->copies[idx(tier)];
+      if (o.get() != &t && c.state == CopyState::Loading && c.leases == 0 && c.pins == 0)
+        landing.push_back(o.get());
+    }
+    if (!candidates.empty()) {
+      std::vector<EvictionCandidate> view;
+      for (TensorState* c : candidates)
+        view.push_back({c->id, c->desc.bytes, c->copies[idx(tier)].last_use, dirty(*c, tier)});
+      for (TensorState* c : landing)
+        view.push_back({c->id, c->desc.bytes, c->copies[idx(tier)].last_use, false});
+      const std::size_t pick = policy->choose(tier, view);
+      if (pick >= candidates.size()) {
+        changed.wait(lock);  // the policy's victim is still landing
+        continue;
+      }
+      evict_copy(lock, *candidates[pick], tier);
+      continue;
+    }
+    // Copies still arriving become evictable once they land; wait for them, else give up.
+    bool arriving = false;
+    for (auto& [id, o] : tensors) {
+      const Copy& c = o->copies[idx(tier)];
+      if (o.get() != &t && c.leases == 0 &&
+          (c.state == CopyState::Loading || c.state == CopyState::Evicting || c.pins > 0))
+        arriving = true;
+    }
+    if (!arriving) out_of_memory(tier, t);
+    changed.wait(lock);
+  }
+}
+
+bool Runtime::Impl::stage(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier) {
+  if (t.discarded) return false;
+  for (std::size_t i = 0; i <= idx(tier); ++i) {  // already here, or on a faster tier
+    const CopyState s = t.copies[i].state;
+    if (s == CopyState::Loading || s == CopyState::Evicting || t.current(static_cast<Tier>(i)))
+      return false;
+  }
+  bool below_current = false;
+  for (std::size_t i = idx(tier) + 1; i < kTiers; ++i)
+    below_current = below_current || t.current(static_cast<Tier>(i));
+  if (!below_current) return false;
+  for (;;) {
+    if (place(t, tier)) break;
+    auto candidates = evictable(tier, t);
+    std::erase_if(candidates, [&](TensorState* c) { return dirty(*c, tier); });
+    if (candidates.empty()) return false;
+    std::vector<EvictionCandidate> view;
+    for (TensorState* c : candidates)
+      view.push_back({c->id, c->desc.bytes, c->copies[idx(tier)].last_use, false});
+    view.push_back({t.id, t.desc.bytes, 0, false});
+    const std::size_t pick = policy->choose(tier, view);
+    if (pick >= candidates.size()) return false;
+    evict_copy(lock, *candidates[pick], tier);  // clean: dropped, the lock kept
+  }
+  start_load(lock, t, tier, source_for(t, tier));
+  t.copies[idx(tier)].last_use = ++clock;
+  run_after_unlock(lock);
+  return true;
+}
+
+void Runtime::Impl::evict_copy(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier) {
+  Copy& c = t.copies[idx(tier)];
+  if (dirty(t, tier)) {
+    c.state = CopyState::Evicting;
+    ++c.pins;
+    try {
+      write_back(lock, t, tier);
+    } catch (...) {
+      --c.pins;
+      c.state = CopyState::Valid;  // still dirty, still here: nothing lost
+      changed.notify_all();
+      throw;
+    }
+    --c.pins;
+    // Moves that took this copy as their source while it was written back finish first.
+    changed.wait(lock, [&] { return c.pins == 0; });
+  }
+  ++stats[idx(tier)].evictions;
+  const std::uint64_t now = telemetry.now_ns();
+  telemetry.record({now, now, Track::Eviction, t.desc.bytes, t.id, idx(tier)});
+  free_space(t, tier);
+  changed.notify_all();
+}
+
+void Runtime::Impl::write_back(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier) {
+  Tier target;
+  for (;;) {
+    target = *below(tier);
+    if (target == Tier::Host && swap) {
+      // Prefer keeping a host copy; go straight to NVMe when the host cannot take it.
+      try {
+        make_room(lock, t, Tier::Host);
+      } catch (const OutOfMemoryError&) {
+        target = Tier::Nvme;
+      }
+    }
+    Copy& dst = t.copies[idx(target)];
+    if (target == Tier::Nvme && dst.mapped) free_space(t, Tier::Nvme);  // never write a model
+    make_room(lock, t, target);
+    // Note [One move into a copy]: make_room may have waited with the lock released, and a
+    // lease or prefetch may meanwhile have started (or finished) this very move into `dst`.
+    if (dst.state == CopyState::Loading || dst.state == CopyState::Evicting) {
+      changed.wait(lock);
+      continue;
+    }
+    if (!dirty(t, tier)) {  // that move landed (or a write lease below made this one stale)
+      if (dst.state == CopyState::Absent && dst.leases == 0 && dst.pins == 0)
+        free_space(t, target);  // the room made for it
+      return;
+    }
+    break;
+  }
+  Copy& dst = t.copies[idx(target)];
+  start_load(lock, t, target, tier);
+  run_after_unlock(lock);
+  changed.wait(lock, [&] { return dst.state != CopyState::Loading; });
+  if (dst.error) std::rethrow_exception(dst.error);
+  ++stats[idx(tier)].write_backs;
+  stats[idx(tier)].bytes_out += t.desc.bytes;
+}
+
+}  // namespace strata

@@ -1,0 +1,75 @@
+// The tensor table's records: a tensor's descriptor, its version and one copy per tier (state,
+// space, leases, pins, version). Plain data; every rule about them lives in the residency core
+// (impl.h) and runs under its mutex. Includes nothing of telemetry, I/O or the backends.
+//
+// Note [Versions]: a tensor has a version, bumped when a write lease ends (or write()). Each copy
+// records the version it holds. A copy is current when its version equals the tensor's; a stale
+// copy is never used as a source and may be dropped at no cost. A current copy is dirty when no
+// lower tier holds a current copy: evicting it needs a write-back first. This replaces per-tier
+// dirty flags and makes "write back once" hold by construction: after a write-back the lower
+// copy is current, so the upper one is clean until the next write.
+//
+// Note [One move into a copy]: a move starts only into a copy that is neither Loading nor
+// Evicting nor current already. A second move into a Loading copy races with the first: the
+// first's completion marks the copy Valid and hands out leases (LeaseFuture::get) while the
+// second is still writing the same bytes, and the second overwrites whatever a write lease put
+// there meanwhile (unseen by Note [Versions]: it records the newer version). A move into a
+// current copy rewrites bytes that leases may be using; one into an Evicting copy rewrites bytes
+// its write-back is reading, and evict_copy then frees the block under it. ensure() checks this
+// after its make_room; write_back() must too, because its make_room may wait with the lock
+// released (the host is full and its victims go to NVMe) while a lease or prefetch on the lower
+// tier starts, and lands, the same device -> host move. The ZeRO-Offload example did exactly
+// that: Adam read a gradient's host lease while the d2h stream rewrote it.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <memory>
+
+#include "strata/io/swap_space.h"
+#include "strata/runtime/backend.h"
+#include "strata/runtime/tensor.h"
+#include "strata/runtime/tier.h"
+
+namespace strata::residency {
+
+enum class CopyState : std::uint8_t { Absent, Loading, Valid, Evicting };
+constexpr std::size_t kTiers = 3;
+constexpr std::size_t idx(Tier t) {
+  return static_cast<std::size_t>(t);
+}
+
+struct Copy {
+  CopyState state = CopyState::Absent;
+  std::uint64_t version = 0;
+  std::byte* ptr = nullptr;  // device / host space
+  ExtentId extent = 0;       // nvme space
+  bool mapped = false;       // nvme: a read-only mapping of a file
+  unsigned leases = 0;
+  unsigned write_leases = 0;  // of `leases`, those that write
+  unsigned pins = 0;          // sources of moves in flight
+  TensorId claimed_by = 0;    // Note [Arrival in pieces]: dropped for it when its leases end
+  bool ready = false;         // a lease may be handed out
+  std::shared_ptr<Event> event;
+  std::exception_ptr error;  // the last load failed
+  std::uint64_t last_use = 0;
+  [[nodiscard]] bool has_space() const { return ptr != nullptr || extent != 0; }
+};
+
+struct TensorState {
+  TensorId id = 0;
+  TensorDesc desc;
+  Tier home = Tier::Host;
+  std::uint64_t version = 1;
+  std::array<Copy, kTiers> copies;
+  int moves = 0;           // in flight
+  bool discarded = false;  // no bytes anywhere until the next write
+  [[nodiscard]] bool current(Tier t) const {
+    const Copy& c = copies[idx(t)];
+    return (c.state == CopyState::Valid || c.state == CopyState::Evicting) && c.version == version;
+  }
+};
+
+}  // namespace strata::residency
