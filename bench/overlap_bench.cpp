@@ -195,7 +195,7 @@ void run(Args args) {
   }
   Schedule order;
   for (std::size_t l = 0; l < args.layers; ++l)
-    order.append({"layer" + std::to_string(l), {{layers[l], Use::Read, Tier::Device}}});
+    order.append({"layer" + std::to_string(l), {{layers[l], Access::Read, Tier::Device}}});
 
   // Note [Overlap measurement]: transfer_s, compute_s and step_s come from the same rounds, and
   // every streamed pass starts in the same tier state: cold (nothing of the model on the device,
@@ -262,8 +262,8 @@ void run(Args args) {
     const auto start = Clock::now();
     pipeline.begin_iteration();
     for (std::size_t l = 0; l < args.layers; ++l) {
-      StepLeases in =
-          pipeline.begin_step("layer" + std::to_string(l), {{layers[l], Use::Read, Tier::Device}});
+      StepLeases in = pipeline.begin_step("layer" + std::to_string(l),
+                                          {{layers[l], Access::Read, Tier::Device}});
       const std::uint64_t c0 = rt.telemetry().now_ns();
       if (with_compute) {
         compute_step(in[0], l);

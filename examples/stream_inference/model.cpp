@@ -378,7 +378,7 @@ InferenceResult run_streamed(const InferenceConfig& c) {
   Schedule order;
   for (std::size_t i = 0; i < m.layers.size(); ++i)
     order.append({"layer." + std::to_string(i),
-                  {{w[i], Use::Read, Tier::Device}, {b[i], Use::Read, Tier::Device}}});
+                  {{w[i], Access::Read, Tier::Device}, {b[i], Access::Read, Tier::Device}}});
   PipelineOptions po;
   if (c.prefetch == "none") {
     po.prefetch = PrefetchMode::None;

@@ -408,7 +408,7 @@ TrainResult train_offloaded(const TrainConfig& c, const Shape& s) {
       ph.prep_s = seconds_between(window.start_ns, clock.now_ns());
       pipe.begin_iteration();
       for (int i = 0; i < s.layers; ++i) {
-        StepLeases in = pipe.begin_step(fwd[i], {{w[i], Use::Read, Tier::Device}});
+        StepLeases in = pipe.begin_step(fwd[i], {{w[i], Access::Read, Tier::Device}});
         in.wait();
         const bool last = i + 1 == s.layers;
         ph.forward_s += compute_span(clock, w[i], i, [&] {
@@ -426,12 +426,13 @@ TrainResult train_offloaded(const TrainConfig& c, const Shape& s) {
       float* din = buf.din();
       for (int i = s.layers - 1; i >= -1; --i) {
         std::vector<TensorUse> uses;
-        if (i >= 0) uses = {{w[i], Use::Read, Tier::Device}, {g[i], Use::Write, Tier::Device}};
+        if (i >= 0)
+          uses = {{w[i], Access::Read, Tier::Device}, {g[i], Access::Write, Tier::Device}};
         const int u = i + 1;  // the layer Adam updates in this step
         if (u < s.layers) {
-          uses.push_back({w[u], Use::ReadWrite, opt});
-          uses.push_back({st[u], Use::ReadWrite, opt});
-          uses.push_back({g[u], Use::Read, opt});
+          uses.push_back({w[u], Access::ReadWrite, opt});
+          uses.push_back({st[u], Access::ReadWrite, opt});
+          uses.push_back({g[u], Access::Read, opt});
         }
         StepLeases in = pipe.begin_step(i >= 0 ? bwd[i] : "adam.0", std::move(uses));
         in.wait();

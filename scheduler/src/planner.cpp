@@ -76,7 +76,7 @@ void PrefetchPipeline::Impl::plan() {
     const auto pending_writer = [&](TensorId tensor, std::size_t j) {
       for (std::size_t k = j; k-- > std::max(completed_, current);)
         for (const TensorUse& u : schedule_.steps()[k % n].uses)
-          if (u.tensor == tensor && u.use != Use::Read) return k;
+          if (u.tensor == tensor && u.access != Access::Read) return k;
       return Schedule::kNever;
     };
     const std::size_t window_end = options_.across_iterations ? start + n : (current / n + 1) * n;
@@ -104,13 +104,13 @@ void PrefetchPipeline::Impl::plan() {
       host_window.insert(fresh_host.begin(), fresh_host.end());
       host_window_bytes += fresh_host_bytes;
       for (const TensorUse& u : schedule_.steps()[j % n].uses)
-        if (u.tier == Tier::Device && u.use != Use::Write) window_read.insert(u.tensor);
+        if (u.tier == Tier::Device && u.access != Access::Write) window_read.insert(u.tensor);
       last = j;
       // Every step of the schedule is issued once, in order, even one that has just begun (the
       // prefetch then joins its load): the order does not depend on how the threads interleave.
       if (j >= next_to_issue_) {
         for (const TensorUse& u : schedule_.steps()[j % n].uses) {
-          if (u.use == Use::Write) continue;  // write-discard: nothing to bring
+          if (u.access == Access::Write) continue;  // write-discard: nothing to bring
           const std::size_t writer = pending_writer(u.tensor, j);
           if (writer != Schedule::kNever) {
             deferred_.push_back({u.tensor, u.tier, writer});
@@ -138,7 +138,8 @@ void PrefetchPipeline::Impl::plan() {
       std::vector<const TensorUse*> fresh;  // uses whose tensors enter the host window here
       std::uint64_t fresh_bytes = 0;
       for (const TensorUse& u : uses) {
-        if (u.tier == Tier::Device && u.use == Use::Write) continue;  // nothing comes to the host
+        if (u.tier == Tier::Device && u.access == Access::Write)
+          continue;  // nothing comes to the host
         if (host_level.contains(u.tensor) ||
             std::any_of(fresh.begin(), fresh.end(),
                         [&](const TensorUse* f) { return f->tensor == u.tensor; }))
@@ -179,12 +180,12 @@ void PrefetchPipeline::Impl::plan() {
         return false;
       };
       for (const TensorUse& u : now)
-        if (u.tier == Tier::Device && u.use == Use::Read && !used_again(u.tensor))
+        if (u.tier == Tier::Device && u.access == Access::Read && !used_again(u.tensor))
           replaceable.push_back(u.tensor);
       bool any = false;
       if (!replaceable.empty())
         for (const TensorUse& u : then)
-          if (u.tier == Tier::Device && u.use == Use::Read &&
+          if (u.tier == Tier::Device && u.access == Access::Read &&
               pending_writer(u.tensor, next) == Schedule::kNever) {
             issue.push_back({u.tensor, Tier::Device, next, false, true});
             any = true;

@@ -103,7 +103,7 @@ void PrefetchPipeline::Impl::publish_schedule() {
     for (const TensorUse& u : step.uses) {
       if (u.tier == Tier::Host && host.insert(u.tensor).second)
         host_bytes += rt_.describe(u.tensor).bytes;
-      if (u.use != Use::Read && written.insert(u.tensor).second) written_.push_back(u.tensor);
+      if (u.access != Access::Read && written.insert(u.tensor).second) written_.push_back(u.tensor);
     }
   host_pressure_ = rt_.swap() != nullptr && host_bytes > rt_.tier_stats(Tier::Host).capacity_bytes;
 }
@@ -200,10 +200,7 @@ StepLeases PrefetchPipeline::Impl::begin_step(const std::string& name,
   wake_.notify_all();
   out.uses_ = uses;
   for (const TensorUse& u : uses) {
-    const Access a = u.use == Use::Read    ? Access::Read
-                     : u.use == Use::Write ? Access::Write
-                                           : Access::ReadWrite;
-    out.leases_.push_back(rt_.acquire(u.tensor, u.tier, a).get());
+    out.leases_.push_back(rt_.acquire(u.tensor, u.tier, u.access).get());
   }
   {
     std::lock_guard lock(mutex_);
@@ -265,7 +262,7 @@ void PrefetchPipeline::Impl::end_step(StepLeases leases) {
     };
     for (std::size_t i = 0; i < leases.uses_.size(); ++i) {
       const TensorUse& u = leases.uses_[i];
-      if (!options_.write_back || u.use == Use::Read || dead[i]) continue;
+      if (!options_.write_back || u.access == Access::Read || dead[i]) continue;
       if (u.tier == Tier::Device && !used_later_on(u.tensor, Tier::Device))
         write_back_queue_.push_back({u.tensor, Tier::Device});
       else if (u.tier == Tier::Host && host_pressure_ && !used_later_on(u.tensor, Tier::Host))
@@ -284,7 +281,7 @@ bool PrefetchPipeline::Impl::dead_after(TensorId tensor, std::size_t step) const
   const std::size_t next = schedule_.next_use(tensor, local + 1, /*cyclic=*/true);
   if (next == Schedule::kNever) return false;
   for (const TensorUse& v : schedule_.steps()[next % n].uses)
-    if (v.tensor == tensor) return v.use == Use::Write;
+    if (v.tensor == tensor) return v.access == Access::Write;
   return false;
 }
 

@@ -16,7 +16,7 @@ void Schedule::append(Step step) {
   std::unordered_set<std::uint64_t> seen;
   for (const TensorUse& u : step.uses) {
     STRATA_EXPECTS(seen.insert(u.tensor).second, "schedule step ", steps_.size(), " (\"", step.name,
-                   "\") names tensor ", u.tensor, " twice; give it once with Use::ReadWrite");
+                   "\") names tensor ", u.tensor, " twice; give it once with Access::ReadWrite");
   }
   const std::size_t index = steps_.size();
   for (const TensorUse& u : step.uses)

@@ -36,14 +36,14 @@ class PrefetchPipelineTest : public ::testing::Test {
   Schedule layer_order() const {
     Schedule order;
     for (std::size_t i = 0; i < layers_.size(); ++i)
-      order.append({"layer" + std::to_string(i), {{layers_[i], Use::Read}}});
+      order.append({"layer" + std::to_string(i), {{layers_[i], Access::Read}}});
     return order;
   }
   // One pass over `steps` (indices into layers_), checking every byte each step sees.
   void pass(PrefetchPipeline& p, const std::vector<std::size_t>& steps) {
     p.begin_iteration();
     for (std::size_t s : steps) {
-      StepLeases in = p.begin_step("layer" + std::to_string(s), {{layers_[s], Use::Read}});
+      StepLeases in = p.begin_step("layer" + std::to_string(s), {{layers_[s], Access::Read}});
       ASSERT_EQ(leased_bytes(in[0]), data_[s]) << "step " << s;
       p.end_step(std::move(in));
     }
@@ -91,7 +91,7 @@ TEST_F(PrefetchPipelineTest, RecordThenReplayGivesTheSamePrefetchOrder) {
             << "the planner did not issue replay " << r << " step " << s << " within 30 s";
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
       }
-      StepLeases in = p.begin_step("layer" + std::to_string(s), {{layers_[s], Use::Read}});
+      StepLeases in = p.begin_step("layer" + std::to_string(s), {{layers_[s], Access::Read}});
       ASSERT_EQ(leased_bytes(in[0]), data_[s]) << "replay " << r << " step " << s;
       p.end_step(std::move(in));
     }
@@ -113,7 +113,7 @@ TEST_F(PrefetchPipelineTest, WithoutLookaheadAcrossIterationsAPassEndsDrainedAnd
   PrefetchPipeline p(*rt_, o);
   Schedule order;
   for (std::size_t i = 0; i < layers_.size(); ++i)
-    order.append({"layer" + std::to_string(i), {{layers_[i], Use::Read}}});
+    order.append({"layer" + std::to_string(i), {{layers_[i], Access::Read}}});
   p.set_schedule(order);
   for (int r = 0; r < 3; ++r) {
     pass(p, all());
@@ -145,7 +145,7 @@ TEST_F(PrefetchPipelineTest, TheLookaheadWindowNeverExceedsTheBudget) {
   p.set_schedule([&] {
     Schedule s;
     for (std::size_t i = 0; i < layers_.size(); ++i)
-      s.append({"layer" + std::to_string(i), {{layers_[i], Use::Read}}});
+      s.append({"layer" + std::to_string(i), {{layers_[i], Access::Read}}});
     return s;
   }());
   for (int i = 0; i < 3; ++i)
@@ -169,13 +169,14 @@ TEST_F(PrefetchPipelineTest, DivergenceGivesCorrectDataAndFinishes) {
   // An unexpected tensor in a known step, and an unknown step.
   p.begin_iteration();
   {
-    StepLeases in = p.begin_step("layer0", {{layers_[0], Use::Read}, {layers_[7], Use::Read}});
+    StepLeases in =
+        p.begin_step("layer0", {{layers_[0], Access::Read}, {layers_[7], Access::Read}});
     EXPECT_EQ(leased_bytes(in.of(layers_[0])), data_[0]);
     EXPECT_EQ(leased_bytes(in.of(layers_[7])), data_[7]);
     p.end_step(std::move(in));
   }
   {
-    StepLeases in = p.begin_step("not-in-the-trace", {{layers_[3], Use::Read}});
+    StepLeases in = p.begin_step("not-in-the-trace", {{layers_[3], Access::Read}});
     EXPECT_EQ(leased_bytes(in[0]), data_[3]);
     p.end_step(std::move(in));
   }
@@ -201,7 +202,7 @@ TEST_F(PrefetchPipelineTest, DirtyTensorsAreWrittenBackOncePerModification) {
     p.begin_iteration();
     for (int i = 0; i < 6; ++i) {
       StepLeases in = p.begin_step("layer" + std::to_string(i),
-                                   {{layers_[i], Use::Read}, {grads[i], Use::Write}});
+                                   {{layers_[i], Access::Read}, {grads[i], Access::Write}});
       in.wait();
       std::memset(in.of(grads[i]).data(), it * 10 + i, 64 * KiB);
       p.end_step(std::move(in));
@@ -249,22 +250,22 @@ class ZeroModel {
   void iteration(PrefetchPipeline& p, int it) {
     p.begin_iteration();
     for (std::size_t i = 0; i < kLayers; ++i) {
-      StepLeases in = p.begin_step("fwd" + std::to_string(i), {{wt_[i], Use::Read}});
+      StepLeases in = p.begin_step("fwd" + std::to_string(i), {{wt_[i], Access::Read}});
       ASSERT_EQ(floats(in.of(wt_[i])), w_[i]) << "iteration " << it << " fwd " << i;
       p.end_step(std::move(in));
     }
     for (std::size_t i = kLayers; i-- > 0;) {
-      StepLeases in =
-          p.begin_step("bwd" + std::to_string(i), {{wt_[i], Use::Read}, {gt_[i], Use::Write}});
+      StepLeases in = p.begin_step("bwd" + std::to_string(i),
+                                   {{wt_[i], Access::Read}, {gt_[i], Access::Write}});
       in.wait();
       ASSERT_EQ(floats(in.of(wt_[i])), w_[i]) << "iteration " << it << " bwd " << i;
       float* g = in.of(gt_[i]).as<float>();
       for (std::size_t k = 0; k < kFloats; ++k)
         g[k] = w_[i][k] * 0.5f + static_cast<float>(it);
       p.end_step(std::move(in));
-      in = p.begin_step("adam" + std::to_string(i), {{wt_[i], Use::ReadWrite, Tier::Host},
-                                                     {st_[i], Use::ReadWrite, Tier::Host},
-                                                     {gt_[i], Use::Read, Tier::Host}});
+      in = p.begin_step("adam" + std::to_string(i), {{wt_[i], Access::ReadWrite, Tier::Host},
+                                                     {st_[i], Access::ReadWrite, Tier::Host},
+                                                     {gt_[i], Access::Read, Tier::Host}});
       ASSERT_EQ(floats(in.of(st_[i])), m_[i]) << "iteration " << it << " adam " << i;
       const Floats grad = floats(in.of(gt_[i]));
       float* wp = in.of(wt_[i]).as<float>();
@@ -385,7 +386,7 @@ TEST_F(PrefetchPipelineTest, APacedLinkStaysBusy) {
   }
   Schedule order;
   for (std::size_t i = 0; i < layers_.size(); ++i)
-    order.append({"layer" + std::to_string(i), {{layers_[i], Use::Read}}});
+    order.append({"layer" + std::to_string(i), {{layers_[i], Access::Read}}});
   PipelineOptions po;
   po.across_iterations = false;  // each pass from cold, its log its own
   PrefetchPipeline p(*rt_, po);
@@ -404,7 +405,7 @@ TEST_F(PrefetchPipelineTest, APacedLinkStaysBusy) {
       ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "step " << s << ": planner stuck";
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
-    StepLeases in = p.begin_step("layer" + std::to_string(s), {{layers_[s], Use::Read}});
+    StepLeases in = p.begin_step("layer" + std::to_string(s), {{layers_[s], Access::Read}});
     ASSERT_EQ(leased_bytes(in[0]), data_[s]) << "step " << s;
     p.end_step(std::move(in));
   }
@@ -463,7 +464,7 @@ TEST_F(PrefetchPipelineTest, BeyondTheDeviceWindowTheNextLayersAreStagedOnTheHos
       const std::uint64_t read0 = rt_->io()->stats().bytes_read;
       p.begin_iteration();
       for (std::size_t s = 0; s < n; ++s) {
-        StepLeases in = p.begin_step("layer" + std::to_string(s), {{layers_[s], Use::Read}});
+        StepLeases in = p.begin_step("layer" + std::to_string(s), {{layers_[s], Access::Read}});
         p.drain();  // the planner has issued all it will while this step runs
         for (std::size_t k = s + 1; k < n; ++k) {
           ASSERT_EQ(rt_->resident(layers_[k], Tier::Host), k <= s + ahead)
@@ -545,7 +546,7 @@ TEST_F(PrefetchPipelineTest, TheNextLayerArrivesInPiecesWhileTheCurrentOneComput
     const std::uint64_t read0 = rt_->io()->stats().bytes_read;
     p.begin_iteration();
     for (std::size_t s = 0; s < n; ++s) {
-      StepLeases in = p.begin_step("layer" + std::to_string(s), {{layers_[s], Use::Read}});
+      StepLeases in = p.begin_step("layer" + std::to_string(s), {{layers_[s], Access::Read}});
       p.drain();  // the planner has issued all it will while this step runs
       if (s + 1 < n) {
         EXPECT_TRUE(rt_->resident(layers_[s + 1], Tier::Device))
@@ -577,9 +578,9 @@ TEST_F(PrefetchPipelineTest, ATensorUsedAgainInTheWindowIsNotReplaced) {
   make(3, b, 256 * KiB, 1.0, /*host_copy_on_the_way=*/false);
   const TensorId a = layers_[0], bl = layers_[1], c = layers_[2];
   Schedule order;
-  order.append({"s0", {{a, Use::Read}}});
-  order.append({"s1", {{bl, Use::Read}, {a, Use::Read}}});
-  order.append({"s2", {{c, Use::Read}}});
+  order.append({"s0", {{a, Access::Read}}});
+  order.append({"s1", {{bl, Access::Read}, {a, Access::Read}}});
+  order.append({"s2", {{c, Access::Read}}});
   PipelineOptions po;
   po.across_iterations = false;
   PrefetchPipeline p(*rt_, po);

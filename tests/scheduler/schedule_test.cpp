@@ -10,12 +10,12 @@ namespace {
 Schedule three_layers() {
   // forward 0,1,2 then backward 2,1,0; tensor 100 (an embedding) used first and last.
   Schedule s;
-  s.append({"fwd0", {{0, Use::Read}, {100, Use::Read}}});
-  s.append({"fwd1", {{1, Use::Read}}});
-  s.append({"fwd2", {{2, Use::Read}}});
-  s.append({"bwd2", {{2, Use::Read}, {12, Use::Write}}});
-  s.append({"bwd1", {{1, Use::Read}, {11, Use::Write}}});
-  s.append({"bwd0", {{0, Use::Read}, {10, Use::Write}, {100, Use::ReadWrite}}});
+  s.append({"fwd0", {{0, Access::Read}, {100, Access::Read}}});
+  s.append({"fwd1", {{1, Access::Read}}});
+  s.append({"fwd2", {{2, Access::Read}}});
+  s.append({"bwd2", {{2, Access::Read}, {12, Access::Write}}});
+  s.append({"bwd1", {{1, Access::Read}, {11, Access::Write}}});
+  s.append({"bwd0", {{0, Access::Read}, {10, Access::Write}, {100, Access::ReadWrite}}});
   return s;
 }
 
@@ -32,7 +32,7 @@ TEST(Schedule, NextUseFindsTheNextStepThatTouchesATensor) {
 
 TEST(Schedule, RejectsAStepThatNamesATensorTwice) {
   Schedule s;
-  EXPECT_THROW(s.append({"bad", {{7, Use::Read}, {7, Use::Write}}}), Error);
+  EXPECT_THROW(s.append({"bad", {{7, Access::Read}, {7, Access::Write}}}), Error);
   EXPECT_TRUE(s.empty());
 }
 

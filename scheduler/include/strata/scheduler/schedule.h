@@ -9,17 +9,16 @@
 #include <unordered_map>
 #include <vector>
 
+#include "strata/runtime/tensor.h"
 #include "strata/runtime/tier.h"
 
 namespace strata {
 
 /// How a step uses a tensor.
-enum class Use : std::uint8_t { Read = 1, Write = 2, ReadWrite = 3 };
-
 struct TensorUse {
-  std::uint64_t tensor = 0;  ///< the runtime's tensor id
-  Use use = Use::Read;
-  Tier tier = Tier::Device;  ///< where the step needs it
+  TensorId tensor = 0;
+  Access access = Access::Read;  ///< Write is write-discard: nothing is brought for it
+  Tier tier = Tier::Device;      ///< where the step needs it
   friend bool operator==(const TensorUse&, const TensorUse&) = default;
 };
 
