@@ -114,7 +114,7 @@ TensorId Runtime::create_tensor(const TensorDesc& desc, Tier home, const void* i
       }
     }
     lock.lock();
-    --c.pins;
+    rt.unpin(c);
   } catch (...) {
     if (!lock.owns_lock()) lock.lock();
     rt.free_space(t, home);
@@ -267,7 +267,7 @@ void Runtime::read(TensorId id, void* dst, std::size_t bytes) {
     error = std::current_exception();
   }
   lock.lock();
-  --c.pins;
+  rt.unpin(c);
   rt.changed.notify_all();
   if (error) std::rethrow_exception(error);
 }
@@ -307,7 +307,7 @@ void Runtime::write(TensorId id, const void* src, std::size_t bytes) {
     error = std::current_exception();
   }
   lock.lock();
-  --c.pins;
+  rt.unpin(c);
   if (error) {
     // The old bytes may be partly overwritten; the tensor's other copies still hold them.
     c.state = CopyState::Absent;
@@ -362,9 +362,14 @@ void Runtime::synchronize() {
   impl_->changed.wait(lock, [&] { return impl_->moves_in_flight == 0; });
 }
 
-const TensorDesc& Runtime::describe(TensorId id) const {
+TensorDesc Runtime::describe(TensorId id) const {
   std::lock_guard lock(impl_->mutex);
   return impl_->get(id).desc;
+}
+
+std::uint64_t Runtime::tensor_bytes(TensorId id) const {
+  std::lock_guard lock(impl_->mutex);
+  return impl_->get(id).desc.bytes;
 }
 
 bool Runtime::resident(TensorId id, Tier tier) const {

@@ -91,10 +91,10 @@ void PrefetchPipeline::Impl::plan() {
       for (const TensorUse& u : schedule_.steps()[j % n].uses) {
         if (u.tier == Tier::Device && !window.contains(u.tensor)) {
           fresh.push_back(u.tensor);
-          fresh_bytes += rt_.describe(u.tensor).bytes;
+          fresh_bytes += rt_.tensor_bytes(u.tensor);
         } else if (u.tier == Tier::Host && !host_window.contains(u.tensor)) {
           fresh_host.push_back(u.tensor);
-          fresh_host_bytes += rt_.describe(u.tensor).bytes;
+          fresh_host_bytes += rt_.tensor_bytes(u.tensor);
         }
       }
       if (static_cast<double>(window_bytes + fresh_bytes) > budget) break;
@@ -126,7 +126,7 @@ void PrefetchPipeline::Impl::plan() {
     std::unordered_set<TensorId> host_level = host_window;
     std::uint64_t host_level_bytes = host_window_bytes, staged_bytes = 0;
     const auto hold = [&](TensorId t) {
-      if (host_level.insert(t).second) host_level_bytes += rt_.describe(t).bytes;
+      if (host_level.insert(t).second) host_level_bytes += rt_.tensor_bytes(t);
     };
     for (TensorId t : written_)
       hold(t);
@@ -145,12 +145,12 @@ void PrefetchPipeline::Impl::plan() {
                         [&](const TensorUse* f) { return f->tensor == u.tensor; }))
           continue;
         fresh.push_back(&u);
-        fresh_bytes += rt_.describe(u.tensor).bytes;
+        fresh_bytes += rt_.tensor_bytes(u.tensor);
       }
       if (static_cast<double>(host_level_bytes + fresh_bytes) > host_budget) break;
       for (const TensorUse* u : fresh) {
         host_level.insert(u->tensor);
-        if (u->tier == Tier::Device) staged_bytes += rt_.describe(u->tensor).bytes;
+        if (u->tier == Tier::Device) staged_bytes += rt_.tensor_bytes(u->tensor);
       }
       host_level_bytes += fresh_bytes;
       host_last = j;

@@ -102,7 +102,7 @@ void PrefetchPipeline::Impl::publish_schedule() {
   for (const Step& step : schedule_.steps())
     for (const TensorUse& u : step.uses) {
       if (u.tier == Tier::Host && host.insert(u.tensor).second)
-        host_bytes += rt_.describe(u.tensor).bytes;
+        host_bytes += rt_.tensor_bytes(u.tensor);
       if (u.access != Access::Read && written.insert(u.tensor).second) written_.push_back(u.tensor);
     }
   host_pressure_ = rt_.swap() != nullptr && host_bytes > rt_.tier_stats(Tier::Host).capacity_bytes;
@@ -243,7 +243,7 @@ void PrefetchPipeline::Impl::end_step(StepLeases leases) {
   if (stats_.compute_s_per_step > 0 && stats_.measured_gbps > 0 && !schedule_.empty()) {
     std::uint64_t bytes = 0;
     for (const TensorUse& u : leases.uses_)
-      bytes += rt_.describe(u.tensor).bytes;
+      bytes += rt_.tensor_bytes(u.tensor);
     const double transfer = static_cast<double>(bytes) / (stats_.measured_gbps * 1e9);
     stats_.needed_lookahead_steps =
         static_cast<std::size_t>(std::ceil(transfer / stats_.compute_s_per_step));

@@ -562,6 +562,29 @@ TEST_F(RuntimeTest, OnlyCleanCopiesNotLeasedForWritingAreReplaced) {
   EXPECT_FALSE(rt->resident(ta, Tier::Device));
 }
 
+TEST_F(RuntimeTest, AWriteLeaseDroppedUnclaimedEndsAsAnUnusedLease) {
+  // A LeaseFuture for writing that is never claimed ends its lease without writing: the version
+  // stays (the copy below is still current) and the copy is no longer leased for writing, so an
+  // arrival in pieces may replace it. Before, it stayed "leased for writing" forever.
+  RuntimeOptions o = small_options(dir_.path());
+  o.backend.device_budget_bytes = 1 * MiB;
+  o.host_copy_on_the_way = false;
+  auto rt = std::make_unique<Runtime>(o);
+  const auto a = pattern(640 * KiB, 8), b = pattern(640 * KiB, 9);
+  const TensorId ta = rt->create_tensor(desc("a", a.size()), Tier::Nvme, a.data());
+  const TensorId tb = rt->create_tensor(desc("b", b.size()), Tier::Nvme, b.data());
+  rt->acquire(ta, Tier::Device, Access::Read).get().release();
+  rt->synchronize();
+  { LeaseFuture unclaimed = rt->acquire(ta, Tier::Device, Access::ReadWrite); }
+  LeaseFuture moved = rt->acquire(ta, Tier::Device, Access::ReadWrite);
+  moved = LeaseFuture{};  // move-assigning over an unclaimed future ends it the same way
+  EXPECT_TRUE(rt->resident(ta, Tier::Nvme));  // not written: the NVMe copy is still current
+  EXPECT_TRUE(rt->prefetch_replacing(tb, {ta}));
+  EXPECT_EQ(leased_bytes(rt->acquire(tb, Tier::Device, Access::Read).get()), b);
+  EXPECT_FALSE(rt->resident(ta, Tier::Device));
+  EXPECT_EQ(contents(*rt, ta), a);
+}
+
 TEST_F(RuntimeTest, MappedTensorsAreNeverWritten) {
   auto rt = make();
   const auto data = pattern(3 * 4096 + 100, 6);

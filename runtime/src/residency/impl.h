@@ -8,7 +8,7 @@
 //   moves.cpp           starting a move between two tiers and finishing it
 //   chunk_pipeline.cpp  NVMe <-> device moves (and host -> device in pieces) chunk by chunk
 //   requests.cpp        making a tier hold a tensor's newest bytes; discarding them
-//   leases.cpp          Lease and LeaseFuture
+//   leases.cpp          Lease and LeaseFuture, and ending a lease
 // The public API (runtime/src/runtime.cpp) takes the mutex and calls these.
 #pragma once
 
@@ -82,6 +82,13 @@ struct Runtime::Impl {
   void require_tier(Tier t, const char* what) const;
   std::uint64_t used(Tier t) const;
   void note_occupancy(Tier t);
+  // Ends one pin of `c` (a move's source, or a copy kept while room is made); the last one wakes
+  // whoever waits for the copy to be free of pins (evict, discard, write). Every unpin goes
+  // through here: a decrement without the wake-up left evict() and discard() asleep on a
+  // condition that had become true (the ZeRO pipeline test hung about once in 200 runs).
+  void unpin(Copy& c) {
+    if (--c.pins == 0) changed.notify_all();
+  }
   // A current copy with no current copy below it: evicting it needs a write-back.
   bool dirty(const TensorState& t, Tier tier) const;
   // The tier a dirty copy on `tier` is written back to; nullopt when there is none.
@@ -183,6 +190,13 @@ struct Runtime::Impl {
   void launch_chunk(const std::shared_ptr<Pipeline>& p, std::size_t k, std::byte* landing);
   // After a chunk: run queued I/O, and finish the pipeline when nothing is left in flight.
   void chunk_done(std::unique_lock<std::mutex>& lock, const std::shared_ptr<Pipeline>& p);
+
+  // ---- leases.cpp ----
+
+  // Ends one lease on `tier` of `tensor`, held with `held` access (takes the lock). `wrote`: the
+  // holder wrote its bytes (a Lease released, not a LeaseFuture dropped unclaimed), so the
+  // tensor's version moves on (Note [Versions]).
+  void end_lease(TensorId tensor, Tier tier, Access held, bool wrote) noexcept;
 
   // ---- requests.cpp (lock held) ----
 

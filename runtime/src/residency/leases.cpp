@@ -34,30 +34,34 @@ void Lease::wait() const {
   if (event_) event_->synchronize();
 }
 
-void Lease::release() noexcept {
-  if (runtime_ == nullptr) return;
-  Runtime::Impl& rt = *runtime_->impl_;
+void Runtime::Impl::end_lease(TensorId tensor, Tier tier, Access held, bool wrote) noexcept {
+  Impl& rt = *this;
   {
     std::unique_lock lock(rt.mutex);
-    const auto it = rt.tensors.find(tensor_);
+    const auto it = rt.tensors.find(tensor);
     if (it != rt.tensors.end()) {
       TensorState& t = *it->second;
-      Copy& c = t.copies[idx(tier_)];
+      Copy& c = t.copies[idx(tier)];
       if (c.leases > 0) --c.leases;
-      if (writes(access_) && c.write_leases > 0) --c.write_leases;
+      if (writes(held) && c.write_leases > 0) --c.write_leases;
       c.last_use = ++rt.clock;
-      if (writes(access_)) {
+      if (wrote) {
         t.version += 1;  // Note [Versions]: every other copy is now stale
         c.version = t.version;
         t.discarded = false;
       }
-      if (c.leases == 0 && c.ptr != nullptr) rt.stats[idx(tier_)].leased_bytes -= t.desc.bytes;
+      if (c.leases == 0 && c.ptr != nullptr) rt.stats[idx(tier)].leased_bytes -= t.desc.bytes;
       // Note [Arrival in pieces]: a claimed copy goes when its last lease ends; the claimant's
       // chunks into its room start (their I/O after the unlock, and never throws).
-      if (tier_ == Tier::Device && rt.drop_if_claimed(lock, t)) rt.run_after_unlock(lock);
+      if (tier == Tier::Device && rt.drop_if_claimed(lock, t)) rt.run_after_unlock(lock);
     }
   }
   rt.changed.notify_all();
+}
+
+void Lease::release() noexcept {
+  if (runtime_ == nullptr) return;
+  runtime_->impl_->end_lease(tensor_, tier_, access_, /*wrote=*/writes(access_));
   runtime_ = nullptr;
   event_.reset();
 }
@@ -68,7 +72,7 @@ LeaseFuture::LeaseFuture(LeaseFuture&& o) noexcept {
 
 LeaseFuture& LeaseFuture::operator=(LeaseFuture&& o) noexcept {
   if (this != &o) {
-    this->~LeaseFuture();
+    if (runtime_ != nullptr) runtime_->impl_->end_lease(tensor_, tier_, access_, false);
     runtime_ = std::exchange(o.runtime_, nullptr);
     tensor_ = o.tensor_;
     tier_ = o.tier_;
@@ -77,15 +81,9 @@ LeaseFuture& LeaseFuture::operator=(LeaseFuture&& o) noexcept {
   return *this;
 }
 
+// Unclaimed: the lease ends unused (a write lease wrote nothing: the version stays).
 LeaseFuture::~LeaseFuture() {
-  if (runtime_ == nullptr) return;
-  // Unclaimed: give the lease back.
-  Lease lease;
-  lease.runtime_ = runtime_;
-  lease.tensor_ = tensor_;
-  lease.tier_ = tier_;
-  lease.access_ = Access::Read;
-  runtime_ = nullptr;
+  if (runtime_ != nullptr) runtime_->impl_->end_lease(tensor_, tier_, access_, /*wrote=*/false);
 }
 
 bool LeaseFuture::ready() const {

@@ -22,7 +22,7 @@ void Runtime::Impl::finish_move(TensorState& t, Tier dst, Tier src, std::excepti
                                 std::uint64_t version, std::optional<Tier> via) {
   std::unique_lock lock(mutex);
   Copy& c = t.copies[idx(dst)];
-  --t.copies[idx(src)].pins;
+  unpin(t.copies[idx(src)]);
   if (error) {
     c.error = error;
     c.state = CopyState::Absent;

@@ -119,10 +119,10 @@ void Runtime::Impl::ensure(std::unique_lock<std::mutex>& lock, TensorState& t, T
     try {
       make_room(lock, t, tier);
     } catch (...) {
-      --t.copies[idx(src)].pins;
+      unpin(t.copies[idx(src)]);
       throw;
     }
-    --t.copies[idx(src)].pins;
+    unpin(t.copies[idx(src)]);
     // make_room may have waited: another thread may have loaded the copy, or be loading it.
     // Start over rather than load into a copy that readers may already be using.
     const Copy& now = t.copies[idx(tier)];

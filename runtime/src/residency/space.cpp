@@ -229,12 +229,12 @@ void Runtime::Impl::evict_copy(std::unique_lock<std::mutex>& lock, TensorState& 
     try {
       write_back(lock, t, tier);
     } catch (...) {
-      --c.pins;
       c.state = CopyState::Valid;  // still dirty, still here: nothing lost
+      unpin(c);
       changed.notify_all();
       throw;
     }
-    --c.pins;
+    unpin(c);
     // Moves that took this copy as their source while it was written back finish first.
     changed.wait(lock, [&] { return c.pins == 0; });
   }

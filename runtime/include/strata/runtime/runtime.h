@@ -196,7 +196,10 @@ class Runtime {
   /// Waits until no move is in flight.
   void synchronize();
 
-  [[nodiscard]] const TensorDesc& describe(TensorId tensor) const;
+  /// A copy of the tensor's descriptor (taken under the lock: valid after destroy_tensor).
+  [[nodiscard]] TensorDesc describe(TensorId tensor) const;
+  /// describe(tensor).bytes without copying the descriptor (planners ask it per step).
+  [[nodiscard]] std::uint64_t tensor_bytes(TensorId tensor) const;
   /// True when `tier` holds the tensor's newest bytes (or is loading them).
   [[nodiscard]] bool resident(TensorId tensor, Tier tier) const;
   [[nodiscard]] std::vector<TensorId> tensors() const;
