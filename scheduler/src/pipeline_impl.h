@@ -38,7 +38,10 @@ struct PrefetchPipeline::Impl {
   [[nodiscard]] std::vector<std::vector<TensorId>> host_prefetch_log() const;
 
   struct Oracle;
-  void plan();                                  // planner.cpp
+  void plan();  // planner.cpp
+  void plan_pass(std::unique_lock<std::mutex>& lock, double budget, double host_budget);
+  /// A planner request that failed for another reason than room: counted; the first is kept.
+  void note_failure(std::exception_ptr error);  // mutex_ held
   [[nodiscard]] bool planner_has_work() const;  // mutex_ held
   void write_back_loop();
   void publish_schedule();
@@ -78,7 +81,8 @@ struct PrefetchPipeline::Impl {
   bool host_pressure_ = false;     ///< the schedule's host working set exceeds the host budget
   std::vector<TensorId> written_;  ///< tensors the schedule writes: room held for them on the host
   std::size_t write_backs_in_flight_ = 0;
-  std::exception_ptr last_write_back_error_;  ///< the first failure since end_iteration
+  std::exception_ptr last_write_back_error_;  ///< the first write-back failure since end_iteration
+  std::exception_ptr first_prefetch_error_;   ///< the first planner failure since end_iteration
   bool stopping_ = false;
   bool plan_requested_ = false;  // the cursor moved: the planner looks again
   bool issuing_ = false;         // the planner is calling the runtime, the lock released

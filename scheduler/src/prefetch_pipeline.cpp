@@ -306,6 +306,8 @@ void PrefetchPipeline::Impl::end_iteration() {
   }
   plan_requested_ = true;
   wake_.notify_all();
+  // The iteration is over either way: a planner failure is reported once, after it.
+  if (first_prefetch_error_) std::rethrow_exception(std::exchange(first_prefetch_error_, nullptr));
 }
 
 void PrefetchPipeline::Impl::write_back_loop() {

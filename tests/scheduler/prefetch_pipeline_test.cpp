@@ -346,6 +346,46 @@ TEST_F(PrefetchPipelineTest, ZeroOffloadStepsStayExactAndDeadGradientsNeverMove)
   EXPECT_EQ(d2h, layers * (iterations - 2));
 }
 
+TEST_F(PrefetchPipelineTest, APlannerFailureIsCountedAndReportedOnceAtTheIterationsEnd) {
+  // The schedule names a tensor the runtime no longer has: the planner cannot size its window.
+  // Before, the planner thread died on the exception (std::terminate); a prefetch that threw
+  // anything but "no room" was dropped silently.
+  make(4);
+  PrefetchPipeline p(*rt_);
+  p.set_schedule(layer_order());
+  const TensorId gone = layers_.back();
+  rt_->destroy_tensor(gone);
+  const auto step = [&](std::size_t s) {  // served, on demand if need be, with the right bytes
+    StepLeases in = p.begin_step("layer" + std::to_string(s), {{layers_[s], Access::Read}});
+    ASSERT_EQ(leased_bytes(in[0]), data_[s]) << "step " << s;
+    p.end_step(std::move(in));
+  };
+  Schedule valid;
+  for (std::size_t i = 0; i < 3; ++i)
+    valid.append({"layer" + std::to_string(i), {{layers_[i], Access::Read}}});
+  p.begin_iteration();
+  for (std::size_t s : {0u, 1u, 2u})
+    step(s);
+  p.drain();
+  EXPECT_GE(p.stats().prefetch_failures, 1u);
+  p.set_schedule(valid);
+  p.drain();  // every pass that saw the old schedule has ended
+  const std::uint64_t failures = p.stats().prefetch_failures;
+  try {
+    p.end_iteration();
+    ADD_FAILURE() << "end_iteration did not report the planner's failure";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::not_found) << e.what();
+    EXPECT_NE(std::string(e.what()).find(std::to_string(gone)), std::string::npos) << e.what();
+  }
+  // Reported once: an iteration whose planner found nothing wrong ends quietly.
+  p.begin_iteration();
+  for (std::size_t s : {0u, 1u, 2u})
+    step(s);
+  EXPECT_NO_THROW(p.end_iteration());
+  EXPECT_EQ(p.stats().prefetch_failures, failures);
+}
+
 TEST_F(PrefetchPipelineTest, AFullDiskDuringStateWriteBackLosesNoUpdate) {
   if (!fault_injection_available()) GTEST_SKIP() << "built without STRATA_FAULT_INJECTION";
   Budgets b;

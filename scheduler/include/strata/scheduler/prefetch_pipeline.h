@@ -59,11 +59,14 @@ struct PipelineStats {
   /// Device prefetches of the step after the device window that arrive in pieces, over the room
   /// of the running step's tensors (Runtime::prefetch_replacing)
   std::uint64_t arrivals_in_pieces = 0;
-  std::uint64_t ready_at_begin = 0;    ///< step inputs already resident or arriving at begin
-  std::uint64_t inputs = 0;            ///< step inputs in all
-  std::uint64_t write_backs = 0;       ///< evictions issued by the write-back thread
-  std::uint64_t discards = 0;          ///< dead tensors discarded (discard_dead)
-  std::uint64_t deferred = 0;          ///< prefetches held back until their writer ended
+  std::uint64_t ready_at_begin = 0;  ///< step inputs already resident or arriving at begin
+  std::uint64_t inputs = 0;          ///< step inputs in all
+  std::uint64_t write_backs = 0;     ///< evictions issued by the write-back thread
+  std::uint64_t discards = 0;        ///< dead tensors discarded (discard_dead)
+  std::uint64_t deferred = 0;        ///< prefetches held back until their writer ended
+  /// Planner requests that failed for another reason than room (an I/O error writing a victim
+  /// back, a tensor the schedule names that no longer exists); end_iteration rethrows the first
+  std::uint64_t prefetch_failures = 0;
   std::uint64_t max_window_bytes = 0;  ///< the largest prefetch working set (<= the budget)
   /// The same for the host tier: host-tier uses, the device window's tensors (their host copies)
   /// and the tensors staged beyond it (<= the host budget).
@@ -131,6 +134,8 @@ class PrefetchPipeline {
   void end_step(StepLeases leases);
   /// Waits for this iteration's write-backs; a recording becomes the schedule. Rethrows the
   /// first write-back that failed (IoError: EIO, ENOSPC); its tensor stays dirty where it was.
+  /// Else rethrows the first planner request that failed other than for room
+  /// (PipelineStats::prefetch_failures), once; the steps were served on demand meanwhile.
   void end_iteration();
 
   /// Waits until the planner is not issuing prefetches and no write-back is queued or running.
