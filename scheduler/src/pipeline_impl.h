@@ -87,8 +87,12 @@ struct PrefetchPipeline::Impl {
   bool plan_requested_ = false;  // the cursor moved: the planner looks again
   bool issuing_ = false;         // the planner is calling the runtime, the lock released
   PipelineStats stats_;
-  std::vector<std::vector<TensorId>> prefetch_log_;
-  std::vector<std::vector<TensorId>> host_prefetch_log_;
+  /// The prefetch logs of the last kLogIterations iterations (a ring: a long run keeps a
+  /// bounded log); logs_dropped_ iterations' logs have left it.
+  static constexpr std::size_t kLogIterations = 64;
+  std::deque<std::vector<TensorId>> prefetch_log_;
+  std::deque<std::vector<TensorId>> host_prefetch_log_;
+  std::size_t logs_dropped_ = 0;
   std::uint64_t last_step_ns_ = 0;
   std::uint64_t step_begin_ns_ = 0;
   /// The step that holds all its leases (begin_step done, end_step not yet); kNever: none.

@@ -223,7 +223,8 @@ void PrefetchPipeline::Impl::plan_pass(std::unique_lock<std::mutex>& lock, doubl
   stats_.max_lookahead_steps = std::max(stats_.max_lookahead_steps, last - start);
   stats_.max_host_lookahead_steps = std::max(stats_.max_host_lookahead_steps, host_last - start);
   if (issue.empty()) return;
-  const std::size_t log_index = prefetch_log_.size() - 1;  // the log may grow meanwhile
+  // The iteration this pass logs to: the log may move on (and drop its oldest) meanwhile.
+  const std::size_t log_iteration = logs_dropped_ + prefetch_log_.size() - 1;
   issuing_ = true;
   lock.unlock();
   std::vector<bool> done(issue.size(), false);
@@ -273,16 +274,18 @@ void PrefetchPipeline::Impl::plan_pass(std::unique_lock<std::mutex>& lock, doubl
   drained_.notify_all();
   for (std::exception_ptr& f : failures)
     note_failure(std::move(f));
+  const bool logged = log_iteration >= logs_dropped_;
+  const std::size_t log_index = log_iteration - (logged ? logs_dropped_ : 0);
   for (std::size_t i = 0; i < issue.size(); ++i) {
     if (!done[i]) continue;
     if (issue[i].staged) {
-      host_prefetch_log_[log_index].push_back(issue[i].tensor);
+      if (logged) host_prefetch_log_[log_index].push_back(issue[i].tensor);
       ++stats_.host_prefetches;
     } else if (issue[i].pieces) {
-      prefetch_log_[log_index].push_back(issue[i].tensor);
+      if (logged) prefetch_log_[log_index].push_back(issue[i].tensor);
       ++stats_.arrivals_in_pieces;
     } else {
-      prefetch_log_[log_index].push_back(issue[i].tensor);
+      if (logged) prefetch_log_[log_index].push_back(issue[i].tensor);
       ++stats_.prefetches;
     }
   }

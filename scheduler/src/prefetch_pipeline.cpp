@@ -127,6 +127,11 @@ void PrefetchPipeline::Impl::begin_iteration() {
   std::lock_guard lock(mutex_);
   prefetch_log_.emplace_back();
   host_prefetch_log_.emplace_back();
+  if (prefetch_log_.size() > kLogIterations) {
+    prefetch_log_.pop_front();
+    host_prefetch_log_.pop_front();
+    ++logs_dropped_;
+  }
   started_ = false;
   if (!schedule_.empty()) {
     cursor_.store(iteration_ * schedule_.size());
@@ -354,12 +359,12 @@ PipelineStats PrefetchPipeline::Impl::stats() const {
 
 std::vector<std::vector<TensorId>> PrefetchPipeline::Impl::prefetch_log() const {
   std::lock_guard lock(mutex_);
-  return prefetch_log_;
+  return {prefetch_log_.begin(), prefetch_log_.end()};
 }
 
 std::vector<std::vector<TensorId>> PrefetchPipeline::Impl::host_prefetch_log() const {
   std::lock_guard lock(mutex_);
-  return host_prefetch_log_;
+  return {host_prefetch_log_.begin(), host_prefetch_log_.end()};
 }
 
 // ---------------------------------------------------------------------------------------------

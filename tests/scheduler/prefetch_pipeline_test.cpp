@@ -346,6 +346,20 @@ TEST_F(PrefetchPipelineTest, ZeroOffloadStepsStayExactAndDeadGradientsNeverMove)
   EXPECT_EQ(d2h, layers * (iterations - 2));
 }
 
+TEST_F(PrefetchPipelineTest, ALongRunKeepsTheLogsOfItsLast64IterationsOnly) {
+  make(2);
+  PipelineOptions o;
+  o.across_iterations = false;  // each iteration prefetches its own steps: a log per iteration
+  PrefetchPipeline p(*rt_, o);
+  p.set_schedule(layer_order());
+  for (int it = 0; it < 70; ++it) {
+    pass(p, all());
+    p.drain();
+  }
+  EXPECT_EQ(p.prefetch_log().size(), 64u);
+  EXPECT_EQ(p.host_prefetch_log().size(), 64u);
+}
+
 TEST_F(PrefetchPipelineTest, APlannerFailureIsCountedAndReportedOnceAtTheIterationsEnd) {
   // The schedule names a tensor the runtime no longer has: the planner cannot size its window.
   // Before, the planner thread died on the exception (std::terminate); a prefetch that threw

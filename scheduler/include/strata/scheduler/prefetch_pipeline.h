@@ -144,10 +144,11 @@ class PrefetchPipeline {
   void drain();
 
   [[nodiscard]] PipelineStats stats() const;
-  /// Tensors in the order the planner prefetched them, per iteration (tests, tools).
+  /// Tensors in the order the planner prefetched them, per iteration, for the last 64
+  /// iterations (tests, tools).
   [[nodiscard]] std::vector<std::vector<TensorId>> prefetch_log() const;
   /// Device-tier tensors in the order the planner staged them on the host tier ahead of the
-  /// device window, per iteration (tests, tools).
+  /// device window, per iteration, for the last 64 iterations (tests, tools).
   [[nodiscard]] std::vector<std::vector<TensorId>> host_prefetch_log() const;
 
  private:
