@@ -37,7 +37,7 @@ struct SwapSpace::Extent {
   std::mutex mutex;                      // guards the checksum state
   std::vector<std::uint64_t> crc_bytes;  // per stripe piece: bytes covered by crc
   std::vector<std::uint32_t> crcs;
-  bool torn = false;  // the last write failed
+  std::vector<bool> torn;  // per stripe piece: its last write failed
 };
 
 struct SwapSpace::MappedFile {
@@ -135,6 +135,7 @@ ExtentId SwapSpace::allocate(std::uint64_t bytes) {
   const std::size_t units = (bytes + options_.stripe_bytes - 1) / options_.stripe_bytes;
   e->crc_bytes.assign(units, 0);
   e->crcs.assign(units, 0);
+  e->torn.assign(units, false);
   const ExtentId id = next_id_++;
   extents_.emplace(id, std::move(e));
   return id;
@@ -320,12 +321,11 @@ void SwapSpace::read(ExtentId id, std::uint64_t offset, void* data, std::size_t 
                  ": swap offsets are multiples of 4 KiB");
   {
     std::lock_guard lock(e->mutex);
-    if (e->torn) {
-      const auto where = layout(*e, offset, std::max<std::uint64_t>(bytes, 1)).front();
-      throw IoError(Errc::corrupt_data, where.file->path(), where.offset, bytes, 0,
-                    detail::concat("read of torn extent ", id,
-                                   " (its last write failed, so its bytes are not valid)"));
-    }
+    for (const Piece& p : layout(*e, offset, bytes))
+      if (e->torn[p.index])
+        throw IoError(Errc::corrupt_data, p.file->path(), p.offset, p.bytes, 0,
+                      detail::concat("read of torn extent ", id, ": the last write of its stripe ",
+                                     "piece ", p.index, " failed, so its bytes are not valid"));
     if (options_.checksums) {
       t->crc_bytes = e->crc_bytes;
       t->crcs = e->crcs;
@@ -368,9 +368,16 @@ void SwapSpace::start(std::shared_ptr<Transfer> t) {
     Extent& e = *tr.extent;
     if (tr.op == IoOp::Write) {
       std::lock_guard lock(e.mutex);
-      e.torn = error != nullptr;
       for (std::size_t k = 0; k < tr.pieces.size(); ++k) {
         const Piece& p = tr.pieces[k];
+        // Torn per stripe piece: a failed piece stays torn whatever succeeds after it elsewhere,
+        // until a write of its whole unit succeeds.
+        const std::uint64_t unit_bytes = std::min<std::uint64_t>(
+            options_.stripe_bytes, e.bytes - p.index * options_.stripe_bytes);
+        if (error)
+          e.torn[p.index] = true;
+        else if (p.whole_start && p.bytes == unit_bytes)
+          e.torn[p.index] = false;
         // A piece written from its unit's start is verifiable; anything else is not.
         const bool ok = !error && !tr.new_crcs.empty() && p.whole_start;
         e.crc_bytes[p.index] = ok ? p.bytes : 0;

@@ -163,6 +163,34 @@ TEST_P(SwapSpaceTest, AFailedWriteReportsAndMarksTheExtentTorn) {
   EXPECT_EQ(back, v2);
 }
 
+TEST_P(SwapSpaceTest, AFailedStripePieceStaysTornWhateverSucceedsAfterIt) {
+  // 8 pieces of 64 KiB. The write of the first half fails on its first piece; the write of the
+  // second half succeeds after it. Before, that success cleared the extent's one torn flag and
+  // the failed piece was read back as good.
+  if (!fault_injection_available()) GTEST_SKIP() << "built without fault injection";
+  auto io = engine({parse_fault("write:9:eio")});  // the first write is 8 pieces
+  SwapSpace swap(options({a_.path()}), *io);
+  auto v1 = pattern(512 * KiB, 1), v2 = pattern(512 * KiB, 2);
+  const ExtentId id = swap.allocate(v1.size());
+  swap.write(id, v1.data(), v1.size()).get();
+  EXPECT_THROW(swap.write(id, v2.data(), 256 * KiB).get(), IoError);
+  swap.write(id, v2.data() + 256 * KiB, 256 * KiB, 256 * KiB).get();
+  std::vector<unsigned char> back(v1.size());
+  try {
+    swap.read(id, back.data(), back.size()).get();
+    ADD_FAILURE() << "a torn piece was read back as good";
+  } catch (const IoError& e) {
+    EXPECT_EQ(e.code(), Errc::corrupt_data);
+    EXPECT_NE(std::string(e.what()).find("piece 0"), std::string::npos) << e.what();
+  }
+  std::vector<unsigned char> half(256 * KiB);
+  swap.read(id, half.data(), half.size(), 256 * KiB).get();  // the pieces written since: good
+  EXPECT_TRUE(std::equal(half.begin(), half.end(), v2.begin() + 256 * KiB));
+  swap.write(id, v2.data(), 256 * KiB).get();  // the caller still had it: whole again
+  swap.read(id, back.data(), back.size()).get();
+  EXPECT_EQ(back, v2);
+}
+
 TEST_P(SwapSpaceTest, RunningOutOfSwapNamesTheNvmeTier) {
   auto io = engine();
   SwapSpace swap(options({a_.path()}, 1 * MiB, 64 * KiB), *io);

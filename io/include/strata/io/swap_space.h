@@ -55,8 +55,10 @@ struct ExtentPiece {
 ///   4 KiB multiples go straight to the engine, the rest through page-aligned staging.
 /// - With checksums on, a read of a piece whose CRC32C differs from the one written fails with
 ///   Errc::corrupt_data naming the file, offset and length; wrong bytes are never handed over as
-///   good. A write that fails (EIO, ENOSPC) reports an IoError and marks the extent torn: later
-///   reads of it fail instead of returning half-written data. The caller still has its source.
+///   good. A write that fails (EIO, ENOSPC) reports an IoError and marks the stripe pieces it
+///   covered torn: later reads of them fail instead of returning half-written data, whatever
+///   writes of other pieces succeed after it, until a write of a whole torn piece succeeds.
+///   The caller still has its source.
 /// - Thread-safe. Callbacks run on an engine thread.
 class SwapSpace {
  public:
