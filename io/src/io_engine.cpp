@@ -38,8 +38,8 @@ FaultSpec parse_fault(std::string_view text, std::string_view key) {
   auto bad = [&] {
     return Error(Errc::invalid_argument,
                  detail::concat(key, ": cannot read fault \"", text,
-                                "\" (expected OP:N:KIND with OP read|write, N >= 1, KIND "
-                                "eio|enospc|short, e.g. \"read:3:eio\")"));
+                                "\" (expected OP:N:KIND with OP read|write|ring, N >= 1, KIND "
+                                "eio|enospc|short (not short for ring), e.g. \"read:3:eio\")"));
   };
   const auto c1 = text.find(':');
   const auto c2 = c1 == std::string_view::npos ? c1 : text.find(':', c1 + 1);
@@ -51,6 +51,8 @@ FaultSpec parse_fault(std::string_view text, std::string_view key) {
     spec.op = FaultSpec::Op::Read;
   else if (op == "write")
     spec.op = FaultSpec::Op::Write;
+  else if (op == "ring")
+    spec.op = FaultSpec::Op::Ring;
   else
     throw bad();
   const auto [end, ec] = std::from_chars(n.data(), n.data() + n.size(), spec.nth);
@@ -59,7 +61,7 @@ FaultSpec parse_fault(std::string_view text, std::string_view key) {
     spec.kind = FaultSpec::Kind::Eio;
   else if (kind == "enospc")
     spec.kind = FaultSpec::Kind::Enospc;
-  else if (kind == "short")
+  else if (kind == "short" && spec.op != FaultSpec::Op::Ring)
     spec.kind = FaultSpec::Kind::Short;
   else
     throw bad();
@@ -165,6 +167,18 @@ std::int64_t IoEngine::inject(IoOp op, std::int64_t result,
       }
     }
   }
+  return result;
+}
+
+int IoEngine::inject_ring(int result) noexcept {
+#ifdef STRATA_NO_FAULT_INJECTION
+  return result;
+#endif
+  if (options_.faults.empty()) return result;
+  const std::uint64_t n = ring_waits_seen_.fetch_add(1) + 1;
+  for (const FaultSpec& f : options_.faults)
+    if (f.op == FaultSpec::Op::Ring && f.nth == n)
+      return f.kind == FaultSpec::Kind::Enospc ? -ENOSPC : -EIO;
   return result;
 }
 

@@ -22,9 +22,11 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <deque>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <unordered_map>
 #include <utility>
@@ -157,10 +159,21 @@ class UringEngine final : public IoEngine {
 
   void do_submit(std::unique_ptr<Pending> pending) override {
     bool wake_engine = false;
+    std::string stopped;
     {
       std::lock_guard lock(mutex_);
-      incoming_.push_back(pending.release());
-      wake_engine = std::exchange(wake_needed_, false);  // Note [Waking the engine]
+      if (broken_.empty()) {
+        incoming_.push_back(pending.release());
+        wake_engine = std::exchange(wake_needed_, false);  // Note [Waking the engine]
+      } else {
+        stopped = broken_;
+      }
+    }
+    if (pending) {  // Note [A broken ring]: the engine has stopped
+      const IoRequest& r = pending->request;
+      fail_stopped(*pending, r.offset, r.bytes, broken_errno_, stopped);
+      finish(std::move(pending));
+      return;
     }
     if (wake_engine) wake();
   }
@@ -181,6 +194,7 @@ class UringEngine final : public IoEngine {
     auto done = c.done.get_future();
     {
       std::lock_guard lock(mutex_);
+      if (!broken_.empty()) throw Error(Errc::io_error, broken_);  // Note [A broken ring]
       controls_.push_back(std::move(c));
     }
     wake();
@@ -224,13 +238,88 @@ class UringEngine final : public IoEngine {
         reap();
         continue;
       }
-      const int rc = io_uring_submit_and_wait(&ring_, 1);
+      const int rc = inject_ring(io_uring_submit_and_wait(&ring_, 1));
       if (rc < 0 && rc != -EINTR && rc != -EAGAIN && rc != -EBUSY && rc != -ETIME) {
-        std::fprintf(stderr, "strata: io_uring_submit_and_wait failed: %s\n", std::strerror(-rc));
+        stop_on_error(-rc);  // Note [A broken ring]
+        break;
       }
       reap();
     }
     io_uring_queue_exit(&ring_);
+  }
+
+  // Note [A broken ring]
+  // ~~~~~~~~~~~~~~~~~~~~~
+  // An error the loop does not expect from io_uring_submit_and_wait (anything but EINTR,
+  // EAGAIN, EBUSY, ETIME) would come back on every turn: the loop used to spin on it, printing
+  // it each time. Instead the engine stops. Requests not yet in the kernel fail now; operations
+  // in the kernel are waited for (up to kDrainSeconds: the ring may not deliver them) and fail
+  // if they do not complete; new requests fail at once and controls throw, all with the errno
+  // and the call that failed. The ring is torn down; the engine stays an object that says so.
+  static constexpr int kDrainSeconds = 5;
+
+  void stop_on_error(int err) {
+    const std::string why =
+        concat("the io_uring engine stopped: io_uring_submit_and_wait failed: ", std::strerror(err),
+               " (errno ", err, ")");
+    std::vector<Pending*> incoming;
+    std::vector<Control> controls;
+    {
+      std::lock_guard lock(mutex_);
+      broken_ = why;
+      broken_errno_ = err;
+      incoming.swap(incoming_);
+      controls.swap(controls_);
+    }
+    for (Control& c : controls)
+      c.done.set_exception(std::make_exception_ptr(Error(Errc::io_error, why)));
+    queue_.insert(queue_.end(), incoming.begin(), incoming.end());
+    std::deque<Pending*> queued;
+    queued.swap(queue_);
+    for (Pending* p : queued) {  // partly issued ones finish when their operations end
+      fail_stopped(*p, p->request.offset + p->issued, p->request.bytes - p->issued, err, why);
+      p->issued = p->request.bytes;
+      maybe_finish(p);
+    }
+    const auto fail_retries = [&] {
+      for (unsigned index : retry_)
+        fail_slot(index, err, why);
+      retry_.clear();
+    };
+    fail_retries();
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(kDrainSeconds);
+    while (in_flight_ > 0 && std::chrono::steady_clock::now() < deadline) {
+      __kernel_timespec wait{0, 100'000'000};
+      io_uring_cqe* cqe = nullptr;
+      const int w = io_uring_wait_cqe_timeout(&ring_, &cqe, &wait);
+      if (w < 0 && w != -ETIME && w != -EINTR) break;
+      reap();
+      fail_retries();
+    }
+    for (unsigned index = 0; index < slots_.size(); ++index)
+      if (slots_[index].pending != nullptr) {  // still in the kernel: given up on
+        --in_flight_;
+        fail_slot(index, err, why);
+      }
+  }
+
+  // Fails the operation in `index` (not in the kernel any more, or given up on) and frees it.
+  void fail_slot(unsigned index, int err, const std::string& why) {
+    Slot& s = slots_[index];
+    Pending* p = s.pending;
+    fail_stopped(*p, s.offset, s.bytes, err, why);
+    s = Slot{};
+    free_slots_.push_back(index);
+    --p->in_flight;
+    maybe_finish(p);
+  }
+
+  static void fail_stopped(Pending& p, std::uint64_t offset, std::size_t bytes, int err,
+                           const std::string& why) {
+    if (p.error) return;
+    p.error = std::make_exception_ptr(
+        IoError(Errc::io_error, p.request.file->path(), offset, bytes, err,
+                concat(p.request.op == IoOp::Read ? "read" : "write", " (", why, ")")));
   }
 
   // Note [Waking the engine]
@@ -503,6 +592,8 @@ class UringEngine final : public IoEngine {
   std::vector<Pending*> incoming_;
   std::vector<Control> controls_;
   bool stopping_ = false;
+  std::string broken_;       // Note [A broken ring]: why the engine stopped; empty while it runs
+  int broken_errno_ = 0;     // set with broken_, never changed after
   bool wake_needed_ = true;  // the engine may sleep without a wake-up from a submitter
   int wake_fd_ = -1;
 

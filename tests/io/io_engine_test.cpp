@@ -352,6 +352,46 @@ TEST(IoOptions, RejectBadValuesNamingTheKey) {
   EXPECT_EQ(f.kind, FaultSpec::Kind::Short);
 }
 
+TEST(UringEngine, AnUnexpectedRingErrorStopsTheEngineAndEveryRequestFailsWithItsErrno) {
+  // Note [A broken ring]: before, the engine looped on the error, printing it on every turn,
+  // and the requests never completed.
+  if (!fault_injection_available()) GTEST_SKIP() << "built without fault injection";
+  TempDir dir;
+  IoOptions options;
+  options.engine = EngineKind::Uring;
+  options.quiet = true;
+  options.faults = {parse_fault("ring:2:eio")};  // the wait for the first request's completion
+  std::unique_ptr<IoEngine> engine;
+  try {
+    engine = make_io_engine(options);
+  } catch (const Error& e) {
+    GTEST_SKIP() << "no io_uring here: " << e.what();
+  }
+  File file(dir.file("ring.bin"), File::Mode::Create, true);
+  PageBuffer out(64 * KiB), in(64 * KiB);
+  fill_pattern(out.data(), out.size(), 3);
+  engine->run({IoOp::Write, &file, 0, out.size(), out.data()});  // in the kernel: completes
+  for (int i = 0; i < 2; ++i) {  // queued when it stopped, or submitted after: both fail
+    try {
+      engine->run({IoOp::Read, &file, 0, in.size(), in.data()});
+      ADD_FAILURE() << "a read on a stopped engine succeeded";
+    } catch (const IoError& e) {
+      EXPECT_EQ(e.error_number(), EIO) << e.what();
+      EXPECT_EQ(e.path(), file.path());
+      EXPECT_NE(std::string(e.what()).find("io_uring_submit_and_wait"), std::string::npos)
+          << e.what();
+    }
+  }
+  try {
+    engine->register_buffer(in.data(), in.size());
+    ADD_FAILURE() << "a stopped engine registered a buffer";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("stopped"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(parse_fault("ring:1:short"), Error);
+  EXPECT_EQ(parse_fault("ring:3:enospc").op, FaultSpec::Op::Ring);
+}
+
 TEST(IoEngine, AutoPicksUringWhereTheKernelHasIt) {
   IoOptions options;
   options.quiet = true;

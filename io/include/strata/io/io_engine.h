@@ -122,6 +122,8 @@ class IoEngine {
   /// Applies the configured fault injection to one completed operation: returns the result the
   /// engine should act on (the real one, -EIO, -ENOSPC or a shortened count).
   std::int64_t inject(IoOp op, std::int64_t result, std::size_t bytes) noexcept;
+  /// The same for one wait of the io_uring engine's for completions (FaultSpec::Op::Ring).
+  int inject_ring(int result) noexcept;
   /// Records a failure of the operation [offset, offset + bytes) of `pending` (first one wins).
   static void fail(Pending& pending, std::uint64_t offset, std::size_t bytes, int error);
   /// Runs the callback and updates the statistics; `pending` is done.
@@ -134,7 +136,7 @@ class IoEngine {
  private:
   EngineKind kind_;
   IoOptions options_;
-  std::atomic<std::uint64_t> reads_seen_{0}, writes_seen_{0};
+  std::atomic<std::uint64_t> reads_seen_{0}, writes_seen_{0}, ring_waits_seen_{0};
   std::atomic<std::uint64_t> requests_{0}, operations_{0}, resubmissions_{0}, failed_{0};
   std::atomic<std::uint64_t> bytes_read_{0}, bytes_written_{0};
   mutable std::mutex registered_mutex_;  // registration only; never taken per request

@@ -18,8 +18,10 @@ EngineKind parse_engine_kind(std::string_view text, std::string_view key = "io.e
 /// One injected fault: the `nth` (1-based) read or write operation the engine completes fails
 /// with EIO or ENOSPC, or transfers only part of its bytes (the engine must resubmit the rest).
 /// Counted per operation the engine issues (a request split into chunks issues several).
+/// `ring:N:eio|enospc`: the io_uring engine's N-th wait for completions fails with that errno,
+/// as an unexpected error of the kernel's would (the posix engine has no ring and ignores it).
 struct FaultSpec {
-  enum class Op { Read, Write };
+  enum class Op { Read, Write, Ring };
   enum class Kind { Eio, Enospc, Short };
   Op op = Op::Read;
   std::uint64_t nth = 1;
@@ -27,7 +29,7 @@ struct FaultSpec {
 };
 /// False when the build compiled fault injection out (-DSTRATA_FAULT_INJECTION=OFF).
 bool fault_injection_available() noexcept;
-/// Parses "read:3:eio", "write:10:enospc", "read:1:short".
+/// Parses "read:3:eio", "write:10:enospc", "read:1:short", "ring:2:eio".
 FaultSpec parse_fault(std::string_view text, std::string_view key = "io.faults");
 
 namespace io_defaults {
