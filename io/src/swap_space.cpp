@@ -436,15 +436,15 @@ void SwapSpace::start(std::shared_ptr<Transfer> t) {
   }
 }
 
-std::future<void> SwapSpace::write(ExtentId id, const void* data, std::size_t bytes,
-                                   std::uint64_t offset) {
+std::future<void> SwapSpace::write(ExtentId id, std::uint64_t offset, const void* data,
+                                   std::size_t bytes) {
   auto [callback, future] = detail::callback_with_future();
   write(id, offset, data, bytes, std::move(callback));
   return std::move(future);
 }
 
-std::future<void> SwapSpace::read(ExtentId id, void* data, std::size_t bytes,
-                                  std::uint64_t offset) {
+std::future<void> SwapSpace::read(ExtentId id, std::uint64_t offset, void* data,
+                                  std::size_t bytes) {
   auto [callback, future] = detail::callback_with_future();
   read(id, offset, data, bytes, std::move(callback));
   return std::move(future);

@@ -90,13 +90,13 @@ TensorId Runtime::create_tensor(const TensorDesc& desc, Tier home, const void* i
     const std::uint64_t bytes = t.desc.bytes;
     if (home == Tier::Nvme) {
       if (init != nullptr) {
-        rt.swap->write(c.extent, init, bytes).get();
+        rt.swap->write(c.extent, 0, init, bytes).get();
       } else {
         const std::size_t zeros_bytes = std::min<std::uint64_t>(bytes, 4 * MiB);
         PageBuffer zeros(zeros_bytes);
         for (std::uint64_t at = 0; at < bytes; at += zeros_bytes)
           rt.swap
-              ->write(c.extent, zeros.data(), std::min<std::uint64_t>(zeros_bytes, bytes - at), at)
+              ->write(c.extent, at, zeros.data(), std::min<std::uint64_t>(zeros_bytes, bytes - at))
               .get();
       }
     } else if (home == Tier::Host) {
@@ -273,7 +273,7 @@ void Runtime::read(TensorId id, void* dst, std::size_t bytes) {
     else if (src == Tier::Host)
       std::memcpy(dst, c.ptr, bytes);
     else
-      rt.swap->read(c.extent, dst, bytes).get();
+      rt.swap->read(c.extent, 0, dst, bytes).get();
   } catch (...) {
     error = std::current_exception();
   }
@@ -313,7 +313,7 @@ void Runtime::write(TensorId id, const void* src, std::size_t bytes) {
     else if (tier == Tier::Host)
       std::memcpy(c.ptr, src, bytes);
     else
-      rt.swap->write(c.extent, src, bytes).get();
+      rt.swap->write(c.extent, 0, src, bytes).get();
   } catch (...) {
     error = std::current_exception();
   }

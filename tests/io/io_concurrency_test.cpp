@@ -37,8 +37,8 @@ TEST_P(IoConcurrency, SwapExtentsFromSixThreadsKeepTheirBytes) {
         auto data = pattern(bytes, static_cast<unsigned>(t * 100 + round));
         std::vector<unsigned char> back(bytes);
         const ExtentId id = swap.allocate(bytes);
-        swap.write(id, data.data(), bytes).get();
-        swap.read(id, back.data(), bytes).get();
+        swap.write(id, 0, data.data(), bytes).get();
+        swap.read(id, 0, back.data(), bytes).get();
         if (back != data) bad.fetch_add(1);
         swap.release(id);
       }

@@ -48,8 +48,8 @@ TEST_P(SwapSpaceTest, RoundTripsManySizesAlignedOrNot) {
       PageBuffer src(bytes + misalign), dst(bytes + misalign);
       fill_pattern(src.data() + misalign, bytes, static_cast<unsigned>(bytes + misalign));
       const ExtentId id = swap.allocate(bytes);
-      swap.write(id, src.data() + misalign, bytes).get();
-      swap.read(id, dst.data() + misalign, bytes).get();
+      swap.write(id, 0, src.data() + misalign, bytes).get();
+      swap.read(id, 0, dst.data() + misalign, bytes).get();
       ASSERT_EQ(std::memcmp(src.data() + misalign, dst.data() + misalign, bytes), 0)
           << bytes << " bytes, buffer offset " << misalign;
       swap.release(id);
@@ -65,7 +65,7 @@ TEST_P(SwapSpaceTest, StripesAnExtentOverThreeDirectories) {
   const std::size_t bytes = 1 * MiB;
   auto data = pattern(bytes, 42);
   const ExtentId id = swap.allocate(bytes);
-  swap.write(id, data.data(), bytes).get();
+  swap.write(id, 0, data.data(), bytes).get();
   // 16 stripes of 64 KiB, round robin over the three files.
   const auto pieces = swap.pieces(id);
   ASSERT_EQ(pieces.size(), 16u);
@@ -84,7 +84,7 @@ TEST_P(SwapSpaceTest, StripesAnExtentOverThreeDirectories) {
     at += pieces[k].bytes;
   }
   std::vector<unsigned char> back(bytes);
-  swap.read(id, back.data(), bytes).get();
+  swap.read(id, 0, back.data(), bytes).get();
   EXPECT_EQ(back, data);
 }
 
@@ -95,16 +95,16 @@ TEST_P(SwapSpaceTest, ReadsAndWritesAtOffsetsInsideAnExtent) {
   auto data = pattern(bytes, 8);
   const ExtentId id = swap.allocate(bytes);
   // Written in two chunks, as the residency pipeline does, then read whole and in parts.
-  swap.write(id, data.data(), 512 * KiB, 0).get();
-  swap.write(id, data.data() + 512 * KiB, bytes - 512 * KiB, 512 * KiB).get();
+  swap.write(id, 0, data.data(), 512 * KiB).get();
+  swap.write(id, 512 * KiB, data.data() + 512 * KiB, bytes - 512 * KiB).get();
   std::vector<unsigned char> back(bytes);
-  swap.read(id, back.data(), bytes).get();
+  swap.read(id, 0, back.data(), bytes).get();
   EXPECT_EQ(back, data);
   std::vector<unsigned char> part(200 * KiB);
-  swap.read(id, part.data(), part.size(), 128 * KiB).get();
+  swap.read(id, 128 * KiB, part.data(), part.size()).get();
   EXPECT_EQ(std::memcmp(part.data(), data.data() + 128 * KiB, part.size()), 0);
-  EXPECT_THROW(swap.read(id, part.data(), 10, 100), Error);       // not a page multiple
-  EXPECT_THROW(swap.write(id, data.data(), bytes, 4096), Error);  // runs past the end
+  EXPECT_THROW(swap.read(id, 100, part.data(), 10), Error);       // not a page multiple
+  EXPECT_THROW(swap.write(id, 4096, data.data(), bytes), Error);  // runs past the end
 }
 
 TEST_P(SwapSpaceTest, AFlippedByteIsDetectedByTheChecksum) {
@@ -113,8 +113,8 @@ TEST_P(SwapSpaceTest, AFlippedByteIsDetectedByTheChecksum) {
   auto data = pattern(200 * KiB, 5);
   const ExtentId good = swap.allocate(data.size());
   const ExtentId bad = swap.allocate(data.size());
-  swap.write(good, data.data(), data.size()).get();
-  swap.write(bad, data.data(), data.size()).get();
+  swap.write(good, 0, data.data(), data.size()).get();
+  swap.write(bad, 0, data.data(), data.size()).get();
   const auto pieces = swap.pieces(bad);
   const ExtentPiece& hit = pieces[1];
   {
@@ -129,7 +129,7 @@ TEST_P(SwapSpaceTest, AFlippedByteIsDetectedByTheChecksum) {
   }
   std::vector<unsigned char> back(data.size());
   try {
-    swap.read(bad, back.data(), back.size()).get();
+    swap.read(bad, 0, back.data(), back.size()).get();
     FAIL() << "a corrupted extent read as good";
   } catch (const IoError& e) {
     EXPECT_EQ(e.code(), Errc::corrupt_data);
@@ -138,7 +138,7 @@ TEST_P(SwapSpaceTest, AFlippedByteIsDetectedByTheChecksum) {
     EXPECT_EQ(e.bytes(), hit.bytes);
     EXPECT_NE(std::string(e.what()).find("checksum"), std::string::npos) << e.what();
   }
-  swap.read(good, back.data(), back.size()).get();  // the neighbour is intact
+  swap.read(good, 0, back.data(), back.size()).get();  // the neighbour is intact
   EXPECT_EQ(back, data);
 }
 
@@ -148,18 +148,18 @@ TEST_P(SwapSpaceTest, AFailedWriteReportsAndMarksTheExtentTorn) {
   SwapSpace swap(options({a_.path()}), *io);
   auto v1 = pattern(512 * KiB, 1), v2 = pattern(512 * KiB, 2);
   const ExtentId id = swap.allocate(v1.size());
-  swap.write(id, v1.data(), v1.size()).get();
+  swap.write(id, 0, v1.data(), v1.size()).get();
   try {
-    swap.write(id, v2.data(), v2.size()).get();
+    swap.write(id, 0, v2.data(), v2.size()).get();
     // Reached only if the fault landed in the first write; it did not.
     FAIL() << "the injected EIO did not surface";
   } catch (const IoError& e) {
     EXPECT_EQ(e.error_number(), EIO);
   }
   std::vector<unsigned char> back(v1.size());
-  EXPECT_THROW(swap.read(id, back.data(), back.size()), IoError);  // torn: never half-data
-  swap.write(id, v2.data(), v2.size()).get();                      // the caller still had it
-  swap.read(id, back.data(), back.size()).get();
+  EXPECT_THROW(swap.read(id, 0, back.data(), back.size()), IoError);  // torn: never half-data
+  swap.write(id, 0, v2.data(), v2.size()).get();                      // the caller still had it
+  swap.read(id, 0, back.data(), back.size()).get();
   EXPECT_EQ(back, v2);
 }
 
@@ -172,22 +172,22 @@ TEST_P(SwapSpaceTest, AFailedStripePieceStaysTornWhateverSucceedsAfterIt) {
   SwapSpace swap(options({a_.path()}), *io);
   auto v1 = pattern(512 * KiB, 1), v2 = pattern(512 * KiB, 2);
   const ExtentId id = swap.allocate(v1.size());
-  swap.write(id, v1.data(), v1.size()).get();
-  EXPECT_THROW(swap.write(id, v2.data(), 256 * KiB).get(), IoError);
-  swap.write(id, v2.data() + 256 * KiB, 256 * KiB, 256 * KiB).get();
+  swap.write(id, 0, v1.data(), v1.size()).get();
+  EXPECT_THROW(swap.write(id, 0, v2.data(), 256 * KiB).get(), IoError);
+  swap.write(id, 256 * KiB, v2.data() + 256 * KiB, 256 * KiB).get();
   std::vector<unsigned char> back(v1.size());
   try {
-    swap.read(id, back.data(), back.size()).get();
+    swap.read(id, 0, back.data(), back.size()).get();
     ADD_FAILURE() << "a torn piece was read back as good";
   } catch (const IoError& e) {
     EXPECT_EQ(e.code(), Errc::corrupt_data);
     EXPECT_NE(std::string(e.what()).find("piece 0"), std::string::npos) << e.what();
   }
   std::vector<unsigned char> half(256 * KiB);
-  swap.read(id, half.data(), half.size(), 256 * KiB).get();  // the pieces written since: good
+  swap.read(id, 256 * KiB, half.data(), half.size()).get();  // the pieces written since: good
   EXPECT_TRUE(std::equal(half.begin(), half.end(), v2.begin() + 256 * KiB));
-  swap.write(id, v2.data(), 256 * KiB).get();  // the caller still had it: whole again
-  swap.read(id, back.data(), back.size()).get();
+  swap.write(id, 0, v2.data(), 256 * KiB).get();  // the caller still had it: whole again
+  swap.read(id, 0, back.data(), back.size()).get();
   EXPECT_EQ(back, v2);
 }
 
@@ -245,11 +245,11 @@ TEST_P(SwapSpaceTest, MappedFileExtentsReadAtAnyOffset) {
     const ExtentId id = swap.map_file(path, c.offset, c.bytes);
     for (std::size_t misalign : {std::size_t{0}, std::size_t{3}}) {
       PageBuffer dst(c.bytes + misalign);
-      swap.read(id, dst.data() + misalign, c.bytes).get();
+      swap.read(id, 0, dst.data() + misalign, c.bytes).get();
       ASSERT_EQ(std::memcmp(dst.data() + misalign, content.data() + c.offset, c.bytes), 0)
           << "offset " << c.offset << " bytes " << c.bytes << " misalign " << misalign;
     }
-    EXPECT_THROW(swap.write(id, content.data(), 1), Error);  // never written
+    EXPECT_THROW(swap.write(id, 0, content.data(), 1), Error);  // never written
     swap.release(id);
   }
   EXPECT_THROW(swap.map_file(path, 4096, file_bytes), Error);  // past the end

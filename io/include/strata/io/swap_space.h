@@ -78,9 +78,9 @@ class SwapSpace {
              IoCallback done);
   /// Reads `bytes` at `offset` of an extent (swap: a multiple of 4 KiB; mapped: any).
   void read(ExtentId id, std::uint64_t offset, void* data, std::size_t bytes, IoCallback done);
-  std::future<void> write(ExtentId id, const void* data, std::size_t bytes,
-                          std::uint64_t offset = 0);
-  std::future<void> read(ExtentId id, void* data, std::size_t bytes, std::uint64_t offset = 0);
+  /// The same, completing a future (the arguments in the same order).
+  std::future<void> write(ExtentId id, std::uint64_t offset, const void* data, std::size_t bytes);
+  std::future<void> read(ExtentId id, std::uint64_t offset, void* data, std::size_t bytes);
 
   [[nodiscard]] std::uint64_t extent_bytes(ExtentId id) const;
   /// Where an extent's bytes live, in order (for errors, tests and tools).
