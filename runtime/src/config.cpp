@@ -1,5 +1,6 @@
 #include "strata/runtime/config.h"
 
+#include <algorithm>
 #include <set>
 
 #include <nlohmann/json.hpp>
@@ -24,11 +25,15 @@ void RuntimeOptions::validate() const {
                  "staging_chunk: ", staging_chunk_bytes, " is not a positive multiple of 4 KiB");
   STRATA_EXPECTS(staging_chunks >= 1 && staging_chunks <= 64, "staging_chunks: ", staging_chunks,
                  " is outside 1..64");
-  STRATA_EXPECTS(host_budget_bytes >= staging_chunk_bytes * staging_chunks + io.block_size,
+  // Note [Staging fits the budget]: a larger staging area is shrunk to fit; only a budget that
+  // cannot hold the smallest one is refused.
+  const std::size_t min_chunk = std::min(staging_chunk_bytes, kMinStagingChunkBytes);
+  const unsigned min_slots = std::min(staging_chunks, kMinStagingChunks);
+  STRATA_EXPECTS(host_budget_bytes >= min_chunk * min_slots + io.block_size,
                  "host_budget: ", host_budget_bytes, " bytes (", format_bytes(host_budget_bytes),
-                 ") is smaller than the staging area (", staging_chunks, " x ",
-                 format_bytes(staging_chunk_bytes), ") plus one I/O block (",
-                 format_bytes(io.block_size), ")");
+                 ") is smaller than the smallest staging area (", min_slots, " x ",
+                 format_bytes(min_chunk), ") plus one I/O block (", format_bytes(io.block_size),
+                 ")");
   STRATA_EXPECTS(trace_events >= 16, "trace_events: ", trace_events, " is below 16");
   if (!nvme.paths.empty()) {
     nvme.validate();
@@ -37,6 +42,42 @@ void RuntimeOptions::validate() const {
         "nvme.stripe_bytes: ", nvme.stripe_bytes,
         " must divide, or be a multiple of, staging_chunk (", staging_chunk_bytes, ")");
   }
+}
+
+// Note [Staging fits the budget]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The staging area (staging_chunks slots of staging_chunk bytes at the start of the pinned slab)
+// and one I/O block must fit the host budget. When the configured area does not, it is shrunk
+// until it takes at most half of what the budget leaves after the block: the chunk halves down
+// to 256 KiB, then the slots drop to 2, then the chunk halves down to 64 KiB. A small host
+// budget then runs, with smaller transfers (slower, and correct); validate() refuses only a
+// budget that cannot hold two 64 KiB slots and the block. Areas that fit are left as they are.
+std::string RuntimeOptions::fit_staging_to_budget() {
+  if (staging_chunk_bytes * staging_chunks + io.block_size <= host_budget_bytes) return {};
+  const std::size_t was_chunk = staging_chunk_bytes;
+  const unsigned was_slots = staging_chunks;
+  const std::size_t limit =
+      host_budget_bytes > io.block_size ? (host_budget_bytes - io.block_size) / 2 : 0;
+  const auto halve = [&] {  // stays a multiple of 4 KiB (validate() refuses anything else)
+    staging_chunk_bytes =
+        std::max(kMinStagingChunkBytes, staging_chunk_bytes / 2 / kPageBytes * kPageBytes);
+  };
+  while (staging_chunk_bytes * staging_chunks > limit) {
+    if (staging_chunk_bytes > std::size_t{256} << 10)
+      halve();
+    else if (staging_chunks > kMinStagingChunks)
+      staging_chunks = kMinStagingChunks;
+    else if (staging_chunk_bytes > kMinStagingChunkBytes)
+      halve();
+    else
+      break;
+  }
+  // Still too large (a budget between the smallest area and half of it): the smallest area.
+  return detail::concat("the staging area (", was_slots, " x ", format_bytes(was_chunk),
+                        ") plus one I/O block (", format_bytes(io.block_size),
+                        ") does not fit host_budget ", format_bytes(host_budget_bytes), ": using ",
+                        staging_chunks, " x ", format_bytes(staging_chunk_bytes),
+                        " (smaller NVMe <-> device transfers)");
 }
 
 namespace {

@@ -562,6 +562,36 @@ TEST_F(RuntimeTest, OnlyCleanCopiesNotLeasedForWritingAreReplaced) {
   EXPECT_FALSE(rt->resident(ta, Tier::Device));
 }
 
+TEST_F(RuntimeTest, AHostBudgetSmallerThanTheStagingAreaShrinksItAndStreamsExactly) {
+  // Note [Staging fits the budget]: the default staging area (4 x 4 MiB) and a 1 MiB I/O block
+  // in a 3 MiB host budget. Before, the runtime refused it.
+  RuntimeOptions o = small_options(dir_.path());
+  o.host_budget_bytes = 3 * MiB;
+  o.staging_chunk_bytes = 4 * MiB;
+  o.staging_chunks = 4;
+  o.io.block_size = 1 * MiB;
+  o.nvme.stripe_bytes = 1 * MiB;
+  o.backend.device_budget_bytes = 16 * MiB;
+  auto rt = std::make_unique<Runtime>(o);
+  const RuntimeOptions& used = rt->options();
+  EXPECT_EQ(used.staging_chunks, 4u);
+  EXPECT_EQ(used.staging_chunk_bytes, 256 * KiB);  // 4 x 256 KiB <= (3 MiB - 1 MiB) / 2
+  const auto a = pattern(6 * MiB + 123, 21);       // larger than the whole host budget
+  const TensorId t = rt->create_tensor(desc("big", a.size()), Tier::Nvme, a.data());
+  EXPECT_EQ(leased_bytes(rt->acquire(t, Tier::Device, Access::Read).get()), a);
+  EXPECT_EQ(rt->transfer_stats().bytes_nvme_to_device, a.size());  // through the staging slots
+  // Only a budget that cannot hold two 64 KiB slots and the block is refused, saying so.
+  o.host_budget_bytes = 1 * MiB + 64 * KiB;
+  try {
+    Runtime refused(o);
+    ADD_FAILURE() << "a host budget below the smallest staging area was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("smallest staging area (2 x 64.00 KiB)"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 TEST_F(RuntimeTest, AWriteLeaseDroppedUnclaimedEndsAsAnUnusedLease) {
   // A LeaseFuture for writing that is never claimed ends its lease without writing: the version
   // stays (the copy below is still current) and the copy is no longer leased for writing, so an

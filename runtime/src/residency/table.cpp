@@ -4,6 +4,7 @@
 // move.
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <map>
@@ -21,6 +22,10 @@ using namespace residency;  // NOLINT(google-build-using-namespace): the core's 
 
 Runtime::Impl::Impl(RuntimeOptions o) : options(std::move(o)), telemetry(options.trace_events) {
   options.validate();
+  if (const std::string note = options.fit_staging_to_budget(); !note.empty()) {
+    options.validate();  // the shrunk chunk against nvme.stripe_bytes
+    if (!options.quiet) std::fprintf(stderr, "strata: %s\n", note.c_str());
+  }
   options.backend.quiet = options.backend.quiet || options.quiet;
   backend = make_backend(options.backend);
   // One pinned slab: staging slots at its start, the host tier after them.

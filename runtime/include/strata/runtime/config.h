@@ -27,6 +27,10 @@ std::string_view to_string(EvictionKind kind) noexcept;
 ///   "staging_chunk": "4MiB", "staging_chunks": 4, "host_copy_on_the_way": true,
 ///   "quiet": false }
 /// ```
+/// The smallest staging slot and slot count a small host budget is shrunk to.
+inline constexpr std::size_t kMinStagingChunkBytes = std::size_t{64} << 10;
+inline constexpr unsigned kMinStagingChunks = 2;
+
 struct RuntimeOptions {
   BackendOptions backend;
   std::size_t host_budget_bytes = std::size_t{1} << 30;  ///< pinned host tier (one slab)
@@ -47,6 +51,10 @@ struct RuntimeOptions {
 
   /// Throws strata::Error (invalid_argument) naming the first bad key.
   void validate() const;
+  /// Shrinks a staging area that does not fit the host budget with one I/O block (Note
+  /// [Staging fits the budget]); says what it changed, or "" when it fits as configured. The
+  /// Runtime calls it (and prints the sentence unless quiet).
+  std::string fit_staging_to_budget();
   /// Parses and validates a JSON document; unknown keys and impossible values are errors naming
   /// the key ("nvme.capacity: ...").
   static RuntimeOptions from_json(std::string_view json);
