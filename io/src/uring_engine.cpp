@@ -36,6 +36,7 @@
 #include "strata/io/error.h"
 #include "strata/io/thread_name.h"
 #include "strata/io/units.h"
+#include "uring_setup.h"
 
 namespace strata::detail {
 namespace {
@@ -44,46 +45,6 @@ constexpr unsigned kMaxFixedBuffers = 64;
 constexpr unsigned kMaxFixedFiles = 256;
 constexpr std::size_t kMaxIovecBytes = std::size_t{1} << 30;  // the kernel's limit per buffer
 constexpr std::uint64_t kWakeTag = ~std::uint64_t{0};
-
-struct RingSetup {
-  int rc = 0;
-  std::string flags;  // for describe()
-};
-
-// Note [Dropping setup flags]: newer flags make the ring cheaper (no IPIs for task work, one
-// issuer), but older kernels reject them with EINVAL. Try the best set first and drop flags until
-// the kernel accepts, as fio does; only a refusal of io_uring itself (ENOSYS, EPERM) is fatal.
-RingSetup setup_ring(io_uring* ring, unsigned entries, bool sqpoll) {
-  struct Candidate {
-    unsigned flags;
-    const char* name;
-  };
-  static constexpr Candidate kCandidates[] = {
-      {IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN, "single_issuer,defer_taskrun"},
-      {IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_COOP_TASKRUN, "single_issuer,coop_taskrun"},
-      {IORING_SETUP_COOP_TASKRUN, "coop_taskrun"},
-      {0, "plain"},
-  };
-  RingSetup out;
-  for (const bool sq : {sqpoll, false}) {
-    for (const Candidate& c : kCandidates) {
-      io_uring_params params{};
-      params.flags = c.flags;
-      if (sq) {
-        params.flags = (c.flags & ~IORING_SETUP_DEFER_TASKRUN) | IORING_SETUP_SQPOLL;
-        params.sq_thread_idle = 1000;
-      }
-      out.rc = io_uring_queue_init_params(entries, ring, &params);
-      if (out.rc == 0) {
-        out.flags = std::string(sq ? "sqpoll," : "") + c.name;
-        return out;
-      }
-      if (out.rc != -EINVAL && !(sq && out.rc == -EPERM)) return out;
-    }
-    if (!sqpoll) break;
-  }
-  return out;
-}
 
 class UringEngine final : public IoEngine {
  public:
