@@ -11,6 +11,7 @@
 #include "strata/io/crc32c.h"
 #include "strata/io/error.h"
 #include "strata/io/pages.h"
+#include "strata/io/tunables.h"
 #include "strata/io/units.h"
 
 namespace strata {
@@ -351,7 +352,7 @@ PageBuffer SwapSpace::take_staging(std::size_t bytes) {
     }
   }
   // Sizes rounded up to 64 KiB so that buffers fit the next transfers of about the same size.
-  return PageBuffer(align_up(bytes, std::size_t{64} << 10), false, "Host (staging)");
+  return PageBuffer(align_up(bytes, tunables::kStagingRoundBytes), false, "Host (staging)");
 }
 
 void SwapSpace::give_staging(PageBuffer buffer) {

@@ -35,14 +35,15 @@
 #include "engines.h"
 #include "strata/io/error.h"
 #include "strata/io/thread_name.h"
+#include "strata/io/tunables.h"
 #include "strata/io/units.h"
 #include "uring_setup.h"
 
 namespace strata::detail {
 namespace {
 
-constexpr unsigned kMaxFixedBuffers = 64;
-constexpr unsigned kMaxFixedFiles = 256;
+constexpr unsigned kMaxFixedBuffers = tunables::kFixedBuffers;
+constexpr unsigned kMaxFixedFiles = tunables::kFixedFiles;
 constexpr std::size_t kMaxIovecBytes = std::size_t{1} << 30;  // the kernel's limit per buffer
 constexpr std::uint64_t kWakeTag = ~std::uint64_t{0};
 
@@ -217,7 +218,7 @@ class UringEngine final : public IoEngine {
   // in the kernel are waited for (up to kDrainSeconds: the ring may not deliver them) and fail
   // if they do not complete; new requests fail at once and controls throw, all with the errno
   // and the call that failed. The ring is torn down; the engine stays an object that says so.
-  static constexpr int kDrainSeconds = 5;
+  static constexpr int kDrainSeconds = tunables::kBrokenRingDrainSeconds;
 
   void stop_on_error(int err) {
     const std::string why =

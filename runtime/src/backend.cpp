@@ -5,6 +5,7 @@
 
 #include "backends/backends.h"
 #include "strata/io/error.h"
+#include "strata/io/tunables.h"
 #include "strata/runtime/tier.h"
 
 namespace strata {
@@ -33,7 +34,7 @@ Backend::~Backend() = default;
 
 void Backend::start(void* device_base, std::size_t budget_bytes) {
   device_pool_ = std::make_unique<MemoryPool>(std::string(to_string(Tier::Device)), device_base,
-                                              budget_bytes, 256);
+                                              budget_bytes, tunables::kDeviceAlignment);
   h2d_ = create_stream("h2d");
   d2h_ = create_stream("d2h");
   compute_ = create_stream("compute");

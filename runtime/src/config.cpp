@@ -63,7 +63,7 @@ std::string RuntimeOptions::fit_staging_to_budget() {
         std::max(kMinStagingChunkBytes, staging_chunk_bytes / 2 / kPageBytes * kPageBytes);
   };
   while (staging_chunk_bytes * staging_chunks > limit) {
-    if (staging_chunk_bytes > std::size_t{256} << 10)
+    if (staging_chunk_bytes > tunables::kStagingShrinkChunkBytes)
       halve();
     else if (staging_chunks > kMinStagingChunks)
       staging_chunks = kMinStagingChunks;

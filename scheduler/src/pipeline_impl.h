@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "strata/io/tunables.h"
 #include "strata/scheduler/prefetch_pipeline.h"
 
 namespace strata {
@@ -89,7 +90,7 @@ struct PrefetchPipeline::Impl {
   PipelineStats stats_;
   /// The prefetch logs of the last kLogIterations iterations (a ring: a long run keeps a
   /// bounded log); logs_dropped_ iterations' logs have left it.
-  static constexpr std::size_t kLogIterations = 64;
+  static constexpr std::size_t kLogIterations = tunables::kPrefetchLogIterations;
   std::deque<std::vector<TensorId>> prefetch_log_;
   std::deque<std::vector<TensorId>> host_prefetch_log_;
   std::size_t logs_dropped_ = 0;

@@ -12,6 +12,7 @@
 #include "strata/io/device_limits.h"
 #include "strata/io/error.h"
 #include "strata/io/pages.h"
+#include "strata/io/tunables.h"
 #include "strata/io/units.h"
 
 namespace strata {
@@ -91,7 +92,7 @@ bool Runtime::Impl::prefetch_replacing(std::unique_lock<std::mutex>& lock, Tenso
   const Tier src = source_for(t, Tier::Device);
   if (!place(t, Tier::Device)) {
     // Free blocks and the replaceable copies' blocks, by address.
-    const std::size_t need = align_up(t.desc.bytes, std::size_t{256});
+    const std::size_t need = align_up(t.desc.bytes, tunables::kDeviceAlignment);
     std::map<std::byte*, std::pair<std::size_t, TensorState*>> parts;  // start -> (bytes, copy)
     for (const auto& [fp, fb] : backend->device_pool().free_blocks())
       parts.emplace(fp, std::make_pair(fb, nullptr));
@@ -107,7 +108,7 @@ bool Runtime::Impl::prefetch_replacing(std::unique_lock<std::mutex>& lock, Tenso
           oc.write_leases > 0 || oc.claimed_by != 0 || dirty(o, Tier::Device) ||
           arrivals.contains(o.id))
         continue;
-      parts.emplace(oc.ptr, std::make_pair(align_up(o.desc.bytes, std::size_t{256}), &o));
+      parts.emplace(oc.ptr, std::make_pair(align_up(o.desc.bytes, tunables::kDeviceAlignment), &o));
     }
     // The placement in a run of adjacent parts that covers the most free bytes.
     std::byte* best = nullptr;

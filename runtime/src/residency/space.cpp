@@ -12,6 +12,7 @@
 #include "strata/io/device_limits.h"
 #include "strata/io/error.h"
 #include "strata/io/pages.h"
+#include "strata/io/tunables.h"
 #include "strata/io/units.h"
 
 namespace strata {
@@ -23,7 +24,8 @@ bool Runtime::Impl::try_alloc(TensorState& t, Tier tier) {
   if (c.has_space()) return true;
   const std::uint64_t bytes = t.desc.bytes;
   if (tier == Tier::Device) {
-    c.ptr = static_cast<std::byte*>(backend->device_pool().try_allocate(bytes, 256));
+    c.ptr = static_cast<std::byte*>(
+        backend->device_pool().try_allocate(bytes, tunables::kDeviceAlignment));
   } else if (tier == Tier::Host) {
     c.ptr = static_cast<std::byte*>(host_pool->try_allocate(bytes, kPageBytes));
   } else {
@@ -124,7 +126,8 @@ bool Runtime::Impl::compact(Tier tier, std::uint64_t bytes) {
     for (const auto& [fp, fb] : p->free_blocks())
       if (fp + fb == c.ptr) gap = fp;
     if (gap == nullptr) continue;
-    const std::size_t size = align_up(t->desc.bytes, tier == Tier::Host ? kPageBytes : 256);
+    const std::size_t size =
+        align_up(t->desc.bytes, tier == Tier::Host ? kPageBytes : tunables::kDeviceAlignment);
     const std::size_t step = static_cast<std::size_t>(c.ptr - gap);  // no chunk overlaps
     std::byte* old = c.ptr;
     p->deallocate(old);

@@ -8,6 +8,8 @@
 #include <string_view>
 #include <vector>
 
+#include "strata/io/tunables.h"
+
 namespace strata {
 
 enum class EngineKind { Auto, Uring, Posix };
@@ -32,12 +34,7 @@ bool fault_injection_available() noexcept;
 /// Parses "read:3:eio", "write:10:enospc", "read:1:short", "ring:2:eio".
 FaultSpec parse_fault(std::string_view text, std::string_view key = "io.faults");
 
-namespace io_defaults {
-inline constexpr std::size_t kBlockBytes = 1 << 20;  ///< chunk a request is split into
-inline constexpr unsigned kQueueDepth = 16;          ///< chunks in flight per ring
-inline constexpr unsigned kPosixThreads = 4;         ///< POSIX engine workers
-inline constexpr bool kDirect = true;                ///< O_DIRECT where the filesystem allows
-}  // namespace io_defaults
+namespace io_defaults = tunables;  // the defaults below: strata/io/tunables.h
 
 struct IoOptions {
   EngineKind engine = EngineKind::Auto;

@@ -16,16 +16,17 @@
 #include "strata/io/io_engine.h"
 #include "strata/io/pages.h"
 #include "strata/io/range_allocator.h"
+#include "strata/io/tunables.h"
 
 namespace strata {
 
 struct SwapOptions {
-  std::vector<std::string> paths;        ///< directories, one per drive (nvme.paths)
-  std::uint64_t capacity_bytes = 0;      ///< swap bytes over all paths (nvme.capacity)
-  std::uint64_t stripe_bytes = 1 << 20;  ///< RAID-0 stripe unit, multiple of 4 KiB
-  bool checksums = true;                 ///< CRC32C per written piece, verified on read
-  bool keep_files = false;               ///< leave the swap files behind on destruction
-  bool direct = true;                    ///< O_DIRECT where the filesystem allows
+  std::vector<std::string> paths;    ///< directories, one per drive (nvme.paths)
+  std::uint64_t capacity_bytes = 0;  ///< swap bytes over all paths (nvme.capacity)
+  std::uint64_t stripe_bytes = tunables::kStripeBytes;  ///< RAID-0 stripe unit, multiple of 4 KiB
+  bool checksums = true;    ///< CRC32C per written piece, verified on read
+  bool keep_files = false;  ///< leave the swap files behind on destruction
+  bool direct = true;       ///< O_DIRECT where the filesystem allows
 
   /// Throws strata::Error (invalid_argument) naming the first bad key.
   void validate() const;
@@ -118,7 +119,7 @@ class SwapSpace {
   /// cost a page fault per page. At most kStagingPoolBytes are kept.
   PageBuffer take_staging(std::size_t bytes);
   void give_staging(PageBuffer buffer);
-  static constexpr std::size_t kStagingPoolBytes = std::size_t{32} << 20;
+  static constexpr std::size_t kStagingPoolBytes = tunables::kStagingPoolBytes;
   std::atomic<std::uint64_t> bounced_bytes_{0};
 
   SwapOptions options_;

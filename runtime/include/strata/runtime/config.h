@@ -8,6 +8,7 @@
 
 #include "strata/io/io_options.h"
 #include "strata/io/swap_space.h"
+#include "strata/io/tunables.h"
 #include "strata/runtime/backend.h"
 
 namespace strata {
@@ -28,19 +29,19 @@ std::string_view to_string(EvictionKind kind) noexcept;
 ///   "quiet": false }
 /// ```
 /// The smallest staging slot and slot count a small host budget is shrunk to.
-inline constexpr std::size_t kMinStagingChunkBytes = std::size_t{64} << 10;
-inline constexpr unsigned kMinStagingChunks = 2;
+inline constexpr std::size_t kMinStagingChunkBytes = tunables::kMinStagingChunkBytes;
+inline constexpr unsigned kMinStagingChunks = tunables::kMinStagingChunks;
 
 struct RuntimeOptions {
   BackendOptions backend;
-  std::size_t host_budget_bytes = std::size_t{1} << 30;  ///< pinned host tier (one slab)
-  SwapOptions nvme;                                      ///< no paths = no NVMe tier
+  std::size_t host_budget_bytes = tunables::kHostBudgetBytes;  ///< pinned host tier (one slab)
+  SwapOptions nvme;                                            ///< no paths = no NVMe tier
   IoOptions io;
   bool checksums = true;
   EvictionKind eviction = EvictionKind::Lru;
-  std::size_t trace_events = 1 << 16;                      ///< telemetry ring size
-  std::size_t staging_chunk_bytes = std::size_t{4} << 20;  ///< NVMe<->device pipeline chunk
-  unsigned staging_chunks = 4;                             ///< staging slots in the host slab
+  std::size_t trace_events = tunables::kTraceEvents;               ///< telemetry ring size
+  std::size_t staging_chunk_bytes = tunables::kStagingChunkBytes;  ///< NVMe<->device pipeline chunk
+  unsigned staging_chunks = tunables::kStagingChunks;  ///< staging slots in the host slab
   /// An NVMe -> device move keeps a host copy on the way when the host tier has room without
   /// evicting. false: it does not, and on a host-addressable device with no link model (the
   /// host backend, unpaced) the chunks then land in the device copy itself (Note [Direct NVMe
