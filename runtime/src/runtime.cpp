@@ -158,12 +158,7 @@ void Runtime::destroy_tensor(TensorId id) {
   // source (pins), an eviction writing a copy back (Evicting; it holds a reference to this
   // state across its waits). Waiting for moves alone freed the state under an eviction that
   // was waiting for a reader's pin (a hang, then a use after free, in the 8-thread test).
-  rt.changed.wait(lock, [&] {
-    if (t.moves != 0) return false;
-    for (const Copy& c : t.copies)
-      if (c.pins != 0 || c.state == CopyState::Evicting) return false;
-    return true;
-  });
+  rt.changed.wait(lock, [&] { return t.idle(); });
   for (const Copy& c : t.copies)  // leased while it waited
     STRATA_EXPECTS(c.leases == 0, "destroy_tensor \"", t.desc.name, "\": it is leased");
   for (Tier tier : {Tier::Device, Tier::Host, Tier::Nvme})

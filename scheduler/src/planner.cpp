@@ -3,9 +3,6 @@
 // prefetch]) and lets the next step arrive in pieces; the runtime does the moves. It never
 // blocks a step: it calls the runtime with the pipeline's lock released.
 #include <algorithm>
-#include <chrono>
-#include <cmath>
-#include <limits>
 #include <unordered_set>
 #include <utility>
 

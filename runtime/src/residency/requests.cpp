@@ -35,12 +35,7 @@ bool Runtime::Impl::discard(std::unique_lock<std::mutex>& lock, TensorState& t, 
                      "\": it is leased on ", to_string(tier));
   };
   if (own == nullptr) check_leases();
-  changed.wait(lock, [&] {
-    if (t.moves != 0) return false;
-    for (const Copy& c : t.copies)
-      if (c.pins != 0 || c.state == CopyState::Evicting) return false;
-    return true;
-  });
+  changed.wait(lock, [&] { return t.idle(); });
   if (own == nullptr) {
     check_leases();  // leased while the moves finished
   } else {

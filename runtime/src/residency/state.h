@@ -70,6 +70,14 @@ struct TensorState {
     const Copy& c = copies[idx(t)];
     return (c.state == CopyState::Valid || c.state == CopyState::Evicting) && c.version == version;
   }
+  /// Nobody works on it: no move in flight, no copy pinned (a read, a move's source) and none
+  /// being written back (an eviction holds a reference to this state across its waits).
+  [[nodiscard]] bool idle() const {
+    if (moves != 0) return false;
+    for (const Copy& c : copies)
+      if (c.pins != 0 || c.state == CopyState::Evicting) return false;
+    return true;
+  }
 };
 
 }  // namespace strata::residency
