@@ -23,6 +23,7 @@
 #include "strata/io/units.h"
 #include "strata/runtime/runtime.h"
 #include "strata/runtime/svg_timeline.h"
+#include "strata/runtime/telemetry.h"
 #include "strata/scheduler/overlap_metrics.h"
 #include "strata/scheduler/prefetch_pipeline.h"
 

@@ -26,6 +26,7 @@
 #include "strata/optim/adam.h"
 #include "strata/runtime/runtime.h"
 #include "strata/runtime/svg_timeline.h"
+#include "strata/runtime/telemetry.h"
 #include "strata/scheduler/prefetch_pipeline.h"
 
 namespace strata::examples {

@@ -22,6 +22,7 @@
 #include "strata/io/units.h"
 #include "strata/optim/adam.h"
 #include "strata/runtime/runtime.h"
+#include "strata/runtime/telemetry.h"
 #include "strata/scheduler/prefetch_pipeline.h"
 
 // Note [TBB under ThreadSanitizer]: libtbb is not built with TSan, so TSan cannot see that

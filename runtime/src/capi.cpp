@@ -10,6 +10,7 @@
 
 #include "strata/io/error.h"
 #include "strata/runtime/runtime.h"
+#include "strata/runtime/telemetry.h"
 
 struct strata_runtime {
   std::unique_ptr<strata::Runtime> runtime;

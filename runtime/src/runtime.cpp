@@ -17,16 +17,25 @@
 #include <nlohmann/json.hpp>
 
 #include "residency/impl.h"
+#include "statistics.h"
 #include "strata/io/device_limits.h"
 #include "strata/io/error.h"
 #include "strata/io/pages.h"
 #include "strata/io/units.h"
+#include "strata/runtime/telemetry.h"
 
 namespace strata {
 
 using namespace residency;  // NOLINT(google-build-using-namespace): the core's own records
 
-Runtime::Runtime(RuntimeOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {}
+Runtime::Runtime(RuntimeOptions options)
+    : impl_(std::make_unique<Impl>(std::move(options))),
+      telemetry_(std::make_shared<Telemetry>(impl_->options.trace_events)),
+      statistics_(std::make_shared<detail::Statistics>()) {
+  std::lock_guard lock(impl_->mutex);
+  impl_->add_observer(statistics_);
+  impl_->add_observer(telemetry_);
+}
 
 std::unique_ptr<Runtime> Runtime::from_json(std::string_view json) {
   return std::make_unique<Runtime>(RuntimeOptions::from_json(json));
@@ -38,7 +47,11 @@ Backend& Runtime::backend() noexcept {
   return *impl_->backend;
 }
 Telemetry& Runtime::telemetry() noexcept {
-  return impl_->telemetry;
+  return *telemetry_;
+}
+void Runtime::add_observer(std::shared_ptr<Observer> observer) {
+  std::lock_guard lock(impl_->mutex);
+  impl_->add_observer(std::move(observer));
 }
 IoEngine* Runtime::io() noexcept {
   return impl_->io.get();
@@ -182,7 +195,7 @@ LeaseFuture Runtime::acquire(TensorId id, Tier tier, Access access) {
   }
   rt.ensure(lock, t, tier, /*count=*/true, access);
   Copy& c = t.copies[idx(tier)];
-  if (c.leases++ == 0) rt.stats[idx(tier)].leased_bytes += t.desc.bytes;  // no eviction now
+  ++c.leases;  // no eviction now
   if (writes(access)) ++c.write_leases;
   // A writer must not change bytes that a move is still copying out of this tier.
   if (writes(access)) rt.changed.wait(lock, [&] { return c.pins == 0; });
@@ -396,22 +409,22 @@ std::vector<TensorId> Runtime::tensors() const {
 
 TierStats Runtime::tier_stats(Tier tier) const {
   std::lock_guard lock(impl_->mutex);
-  TierStats s = impl_->stats[idx(tier)];
-  s.used_bytes = impl_->used(tier);
+  const Impl& rt = *impl_;
+  TierStats s = statistics_->tier(tier);
+  s.used_bytes = rt.used(tier);
+  if (tier == Tier::Device) s.capacity_bytes = rt.backend->info().budget_bytes;
+  if (tier == Tier::Host) s.capacity_bytes = rt.host_pool->capacity();
+  if (tier == Tier::Nvme) s.capacity_bytes = rt.swap ? rt.swap->stats().capacity_bytes : 0;
+  for (const auto& [id, t] : rt.tensors) {
+    const Copy& c = t->copies[idx(tier)];
+    if (c.leases > 0 && c.has_space()) s.leased_bytes += t->desc.bytes;
+  }
   return s;
 }
 
 TransferStats Runtime::transfer_stats() const {
   std::lock_guard lock(impl_->mutex);
-  const auto& b = impl_->path_bytes;
-  TransferStats s;
-  s.bytes_host_to_device = b[idx(Tier::Host)][idx(Tier::Device)];
-  s.bytes_device_to_host = b[idx(Tier::Device)][idx(Tier::Host)];
-  s.bytes_nvme_to_host = b[idx(Tier::Nvme)][idx(Tier::Host)];
-  s.bytes_host_to_nvme = b[idx(Tier::Host)][idx(Tier::Nvme)];
-  s.bytes_nvme_to_device = b[idx(Tier::Nvme)][idx(Tier::Device)];
-  s.bytes_device_to_nvme = b[idx(Tier::Device)][idx(Tier::Nvme)];
-  return s;
+  return statistics_->transfers();
 }
 
 std::string Runtime::stats_json() const {
@@ -449,7 +462,7 @@ std::string Runtime::stats_json() const {
                           {"bytes_nvme_to_device", x.bytes_nvme_to_device},
                           {"bytes_device_to_nvme", x.bytes_device_to_nvme}};
             }()},
-           {"trace_events_dropped", impl_->telemetry.dropped()}};
+           {"trace_events_dropped", telemetry_->dropped()}};
   if (impl_->io) {
     const IoStats io = impl_->io->stats();
     out["io"] = {{"engine", impl_->io->describe()},       {"requests", io.requests},

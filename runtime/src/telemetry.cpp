@@ -10,13 +10,6 @@
 #include "strata/io/error.h"
 
 namespace strata {
-namespace {
-std::uint64_t steady_ns() {
-  return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                        std::chrono::steady_clock::now().time_since_epoch())
-                                        .count());
-}
-}  // namespace
 
 std::string_view to_string(Track track) noexcept {
   switch (track) {
@@ -41,14 +34,15 @@ std::string_view to_string(Track track) noexcept {
 }
 
 Telemetry::Telemetry(std::size_t capacity) : origin_ns_(steady_ns()), capacity_(capacity) {
-  ring_.reserve(capacity_);
+  ring_.reserve(capacity_);  // record() and occupancy() never allocate (they are noexcept)
+  occupancy_.reserve(capacity_);
 }
 
 std::uint64_t Telemetry::now_ns() const noexcept {
   return steady_ns() - origin_ns_;
 }
 
-void Telemetry::record(const TraceEvent& event) {
+void Telemetry::record(const TraceEvent& event) noexcept {
   std::lock_guard lock(mutex_);
   if (ring_.size() < capacity_) {
     ring_.push_back(event);
@@ -59,7 +53,17 @@ void Telemetry::record(const TraceEvent& event) {
   }
 }
 
-void Telemetry::occupancy(Tier tier, std::uint64_t used_bytes) {
+void Telemetry::span(Track track, std::uint64_t start_ns, std::uint64_t end_ns, std::uint64_t bytes,
+                     TensorId tensor) noexcept {
+  record({since_origin(start_ns), since_origin(end_ns), track, bytes, tensor, 0});
+}
+
+void Telemetry::evicted(TensorId tensor, std::uint64_t bytes, Tier tier) noexcept {
+  const std::uint64_t now = now_ns();
+  record({now, now, Track::Eviction, bytes, tensor, static_cast<std::uint64_t>(tier)});
+}
+
+void Telemetry::occupancy(Tier tier, std::uint64_t used_bytes) noexcept {
   const OccupancySample s{now_ns(), tier, used_bytes};
   std::lock_guard lock(mutex_);
   if (occupancy_.size() < capacity_) {

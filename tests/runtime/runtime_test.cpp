@@ -1,9 +1,11 @@
 #include "strata/runtime/runtime.h"
+#include "strata/runtime/telemetry.h"
 
 #include <gtest/gtest.h>
 
 #include <fstream>
 #include <map>
+#include <mutex>
 
 #include <nlohmann/json.hpp>
 
@@ -115,6 +117,109 @@ TEST_F(RuntimeTest, ByteCountsAreNamedAfterThePathTheBytesTook) {
   const auto j = nlohmann::json::parse(rt->stats_json());
   EXPECT_EQ(j["transfers"]["bytes_nvme_to_device"], bytes);
   EXPECT_EQ(j["transfers"]["bytes_device_to_host"], bytes);
+}
+
+// Records what the residency core reports (observer.h), to compare with the statistics.
+class Recorder final : public Observer {
+ public:
+  struct Landing {
+    TensorId tensor;
+    std::uint64_t bytes;
+    Tier from, to;
+    bool operator==(const Landing&) const = default;
+  };
+  void span(Track track, std::uint64_t start_ns, std::uint64_t end_ns, std::uint64_t bytes,
+            TensorId) noexcept override {
+    std::lock_guard lock(mutex);
+    span_bytes[track] += bytes;
+    if (end_ns < start_ns) backwards = true;
+  }
+  void landed(TensorId tensor, std::uint64_t bytes, Tier from, Tier to) noexcept override {
+    std::lock_guard lock(mutex);
+    landings.push_back({tensor, bytes, from, to});
+  }
+  void evicted(TensorId tensor, std::uint64_t, Tier tier) noexcept override {
+    std::lock_guard lock(mutex);
+    evictions.emplace_back(tensor, tier);
+  }
+  void written_back(TensorId tensor, std::uint64_t, Tier from) noexcept override {
+    std::lock_guard lock(mutex);
+    write_backs.emplace_back(tensor, from);
+  }
+  void requested(TensorId, Tier tier, bool hit) noexcept override {
+    std::lock_guard lock(mutex);
+    requests.emplace_back(tier, hit);
+  }
+  std::mutex mutex;
+  std::map<Track, std::uint64_t> span_bytes;
+  bool backwards = false;
+  std::vector<Landing> landings;
+  std::vector<std::pair<TensorId, Tier>> evictions, write_backs;
+  std::vector<std::pair<Tier, bool>> requests;
+};
+
+TEST_F(RuntimeTest, AnAddedObserverHearsEveryMoveEvictionAndRequestTheStatisticsCount) {
+  auto rt = make();
+  auto rec = std::make_shared<Recorder>();
+  rt->add_observer(rec);
+  const std::uint64_t bytes = 200 * KiB;
+  const auto data = pattern(bytes, 5);
+  const TensorId a = rt->create_tensor(desc("a", bytes), Tier::Nvme, data.data());
+  rt->acquire(a, Tier::Device, Access::Read).get().wait();  // a miss: Nvme -> Host -> Device
+  {
+    Lease w = rt->acquire(a, Tier::Device, Access::ReadWrite).get();  // a hit; makes it dirty
+    w.wait();
+  }
+  EXPECT_TRUE(rt->evict(a, Tier::Device));  // written back to the host, then dropped
+  rt->synchronize();
+  std::lock_guard lock(rec->mutex);
+  const std::vector<Recorder::Landing> landings = {{a, bytes, Tier::Nvme, Tier::Host},
+                                                   {a, bytes, Tier::Host, Tier::Device},
+                                                   {a, bytes, Tier::Device, Tier::Host}};
+  EXPECT_EQ(rec->landings, landings);
+  EXPECT_EQ(rec->write_backs, (std::vector<std::pair<TensorId, Tier>>{{a, Tier::Device}}));
+  EXPECT_EQ(rec->evictions, (std::vector<std::pair<TensorId, Tier>>{{a, Tier::Device}}));
+  EXPECT_EQ(rec->requests,
+            (std::vector<std::pair<Tier, bool>>{{Tier::Device, false}, {Tier::Device, true}}));
+  // Spans of chunks add up to the tensor, on every link it crossed.
+  EXPECT_EQ(rec->span_bytes[Track::NvmeRead], bytes);
+  EXPECT_EQ(rec->span_bytes[Track::H2D], bytes);
+  EXPECT_EQ(rec->span_bytes[Track::D2H], bytes);
+  EXPECT_FALSE(rec->backwards);
+  // The statistics are an observer too, and agree.
+  const TierStats d = rt->tier_stats(Tier::Device);
+  const TierStats h = rt->tier_stats(Tier::Host);
+  EXPECT_EQ(d.moves, 1u);
+  EXPECT_EQ(h.moves, 2u);
+  EXPECT_EQ(d.evictions, 1u);
+  EXPECT_EQ(d.write_backs, 1u);
+  EXPECT_EQ(d.bytes_out, bytes);
+  EXPECT_EQ(d.hits, 1u);
+  EXPECT_EQ(d.misses, 1u);
+  EXPECT_EQ(h.peak_bytes, bytes);  // whole pages: the host copy is all the host held
+  const TransferStats x = rt->transfer_stats();
+  EXPECT_EQ(x.bytes_nvme_to_host, bytes);
+  EXPECT_EQ(x.bytes_host_to_device, bytes);
+  EXPECT_EQ(x.bytes_device_to_host, bytes);
+  // The trace heard the same links.
+  std::uint64_t traced_h2d = 0;
+  for (const TraceEvent& e : rt->telemetry().events())
+    if (e.track == Track::H2D) traced_h2d += e.bytes;
+  EXPECT_EQ(traced_h2d, bytes);
+}
+
+TEST_F(RuntimeTest, AddingTooManyObserversIsRefusedByName) {
+  auto rt = make();
+  for (int i = 0; i < 6; ++i)
+    rt->add_observer(std::make_shared<Recorder>());
+  try {
+    rt->add_observer(std::make_shared<Recorder>());
+    FAIL() << "a seventh observer was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("6 observers are already added"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(rt->add_observer(nullptr), Error);
 }
 
 TEST_F(RuntimeTest, ZeroedTensorsOnEveryTier) {

@@ -12,6 +12,7 @@
 #include "runtime/runtime_fixture.h"
 #include "strata/io/error.h"
 #include "strata/io/io_options.h"
+#include "strata/runtime/telemetry.h"
 
 namespace strata::testing {
 namespace {

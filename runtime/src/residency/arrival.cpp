@@ -199,9 +199,7 @@ void Runtime::Impl::drop_claimed(TensorState& o) {
     }
     return;
   }
-  ++stats[idx(Tier::Device)].evictions;
-  const std::uint64_t now = telemetry.now_ns();
-  telemetry.record({now, now, Track::Eviction, o.desc.bytes, o.id, idx(Tier::Device)});
+  notify([&](Observer& ob) { ob.evicted(o.id, o.desc.bytes, Tier::Device); });
   free_space(o, Tier::Device);  // grants the claimant its part
   changed.notify_all();
 }

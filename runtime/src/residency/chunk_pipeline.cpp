@@ -127,7 +127,7 @@ void Runtime::Impl::give_back_slot(const std::shared_ptr<Pipeline>& p, std::byte
 void Runtime::Impl::copy_chunk_up(const std::shared_ptr<Pipeline>& p, std::uint64_t offset,
                                   std::byte* landing, std::size_t len) {
   Stream& h2d = backend->h2d_stream();
-  const std::uint64_t enqueued = telemetry.now_ns();
+  const std::uint64_t enqueued = steady_ns();
   h2d.copy_async(p->device + offset, landing, len, CopyKind::HostToDevice);
   if (++p->enqueued == p->chunks && !p->error) {
     h2d.record(*p->event);
@@ -157,10 +157,10 @@ void Runtime::Impl::launch_chunk(const std::shared_ptr<Pipeline>& p, std::size_t
     return;
   }
   if (p->down) {
-    const std::uint64_t submitted = telemetry.now_ns();
+    const std::uint64_t submitted = steady_ns();
     io_after_unlock_.push_back([this, p, k, landing, offset, len, id, submitted] {
       auto done = [=, this](std::exception_ptr e) {
-        telemetry.record({submitted, telemetry.now_ns(), Track::NvmeRead, len, id, 0});
+        span(Track::NvmeRead, submitted, len, id);
         if (e) {
           std::unique_lock lock(mutex);
           if (!p->error) p->error = e;
@@ -190,13 +190,13 @@ void Runtime::Impl::launch_chunk(const std::shared_ptr<Pipeline>& p, std::size_t
     });
   } else {
     Stream& d2h = backend->d2h_stream();
-    const std::uint64_t enqueued = telemetry.now_ns();
+    const std::uint64_t enqueued = steady_ns();
     d2h.copy_async(landing, p->device + offset, len, CopyKind::DeviceToHost);
     d2h.launch_host_func([this, p, landing, offset, len, id, enqueued] {
       stream_span(d2h_last_ns, Track::D2H, enqueued, len, id);
-      const std::uint64_t submitted = telemetry.now_ns();
+      const std::uint64_t submitted = steady_ns();
       swap->write(p->extent, offset, landing, len, [=, this](std::exception_ptr e) {
-        telemetry.record({submitted, telemetry.now_ns(), Track::NvmeWrite, len, id, 0});
+        span(Track::NvmeWrite, submitted, len, id);
         std::unique_lock lock(mutex);
         if (e && !p->error) p->error = e;
         --p->in_flight;
@@ -224,8 +224,7 @@ void Runtime::Impl::chunk_done(std::unique_lock<std::mutex>& lock,
       } else {
         h.state = CopyState::Valid;
         h.ready = true;
-        ++stats[idx(Tier::Host)].moves;
-        stats[idx(Tier::Host)].bytes_in += p->bytes;
+        notify([&](Observer& o) { o.landed(p->t->id, p->bytes, p->src, Tier::Host); });
       }
     }
     // Slots freed: let waiting pipelines go.

@@ -29,6 +29,7 @@
 
 #include "state.h"
 #include "strata/runtime/memory_pool.h"
+#include "strata/runtime/observer.h"
 #include "strata/runtime/runtime.h"
 
 namespace strata {
@@ -42,7 +43,6 @@ struct Runtime::Impl {
   struct Pipeline;
 
   RuntimeOptions options;
-  Telemetry telemetry;
   std::unique_ptr<Backend> backend;
   std::unique_ptr<IoEngine> io;
   std::unique_ptr<SwapSpace> swap;
@@ -65,15 +65,20 @@ struct Runtime::Impl {
   TensorId next_id = 1;
   std::uint64_t clock = 0;
   int moves_in_flight = 0;
-  std::array<TierStats, kTiers> stats{};
-  std::array<std::array<std::uint64_t, kTiers>, kTiers> path_bytes{};  // [from][to]
   std::shared_ptr<EvictionPolicy> policy = std::make_shared<LruPolicy>();
   std::atomic<std::uint64_t> h2d_last_ns{0}, d2h_last_ns{0};
+  // Observers (observer.h): the Runtime's statistics and trace, then add_observer's. Append-only
+  // (appends take `mutex`), so notify() reads them without a lock from any thread: a slot is
+  // written before the count that shows it.
+  static constexpr std::size_t kMaxObservers = 8;
+  std::array<Observer*, kMaxObservers> observer_slots{};
+  std::atomic<std::size_t> observer_count{0};
+  std::vector<std::shared_ptr<Observer>> observer_owners;
   // I/O submissions queued while the lock was held; run by the caller after unlocking (an I/O
   // completion may run inline on failure and take the lock).
   std::vector<std::function<void()>> io_after_unlock_;
 
-  // ---- table.cpp (lock held, except the constructor and destructor) ----
+  // ---- table.cpp (lock held, except the constructor, the destructor and notify) ----
 
   explicit Impl(RuntimeOptions o);
   ~Impl();
@@ -94,6 +99,19 @@ struct Runtime::Impl {
   // The tier a dirty copy on `tier` is written back to; nullopt when there is none.
   std::optional<Tier> below(Tier tier) const;
   MemoryPool* pool(Tier t);
+  void add_observer(std::shared_ptr<Observer> observer);
+  // Tells every observer: notify([&](Observer& o) { o.evicted(...); }). Any thread, any lock.
+  template <class F>
+  void notify(F&& tell) const noexcept {
+    const std::size_t n = observer_count.load(std::memory_order_acquire);
+    for (std::size_t i = 0; i < n; ++i)
+      tell(*observer_slots[i]);
+  }
+  void requested(const TensorState& t, Tier tier, bool hit) const noexcept {
+    notify([&](Observer& o) { o.requested(t.id, tier, hit); });
+  }
+  // A span on `track` that began at `start` (steady_ns()) and ends now.
+  void span(Track track, std::uint64_t start, std::uint64_t bytes, TensorId id) const noexcept;
   // The tier a move into `dst` reads from: a current copy, settled ones first.
   Tier source_for(const TensorState& t, Tier dst) const;
 

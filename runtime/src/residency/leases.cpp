@@ -50,7 +50,6 @@ void Runtime::Impl::end_lease(TensorId tensor, Tier tier, Access held, bool wrot
         c.version = t.version;
         t.discarded = false;
       }
-      if (c.leases == 0 && c.ptr != nullptr) rt.stats[idx(tier)].leased_bytes -= t.desc.bytes;
       // Note [Arrival in pieces]: a claimed copy goes when its last lease ends; the claimant's
       // chunks into its room start (their I/O after the unlock, and never throws).
       if (tier == Tier::Device && rt.drop_if_claimed(lock, t)) rt.run_after_unlock(lock);

@@ -36,7 +36,6 @@ void Runtime::Impl::finish_move(TensorState& t, Tier dst, Tier src, std::excepti
       // An arrival in pieces gives its room and its claims back even while leases wait on it
       // (they get the error): kept, it would hold copies it claimed until someone asked again.
       const Copy kept = c;
-      stats[idx(dst)].leased_bytes -= t.desc.bytes;
       free_space(t, dst);
       Copy& now = t.copies[idx(dst)];
       now.error = kept.error;
@@ -47,14 +46,8 @@ void Runtime::Impl::finish_move(TensorState& t, Tier dst, Tier src, std::excepti
     c.state = CopyState::Valid;
     c.version = std::max(c.version, version);  // a write lease may have ended during the load
     c.ready = true;
-    ++stats[idx(dst)].moves;
-    stats[idx(dst)].bytes_in += t.desc.bytes;
-    if (via) {
-      path_bytes[idx(src)][idx(*via)] += t.desc.bytes;
-      path_bytes[idx(*via)][idx(dst)] += t.desc.bytes;
-    } else {
-      path_bytes[idx(src)][idx(dst)] += t.desc.bytes;
-    }
+    // A move through a kept host copy reported its first leg when that copy landed.
+    notify([&](Observer& o) { o.landed(t.id, t.desc.bytes, via.value_or(src), dst); });
   }
   --t.moves;
   --moves_in_flight;
@@ -67,9 +60,9 @@ void Runtime::Impl::finish_move(TensorState& t, Tier dst, Tier src, std::excepti
 
 void Runtime::Impl::stream_span(std::atomic<std::uint64_t>& last, Track track,
                                 std::uint64_t enqueued, std::uint64_t bytes, TensorId id) {
-  const std::uint64_t end = telemetry.now_ns();
+  const std::uint64_t end = steady_ns();
   const std::uint64_t start = std::max(enqueued, last.exchange(end));
-  telemetry.record({std::min(start, end), end, track, bytes, id, 0});
+  notify([&](Observer& o) { o.span(track, std::min(start, end), end, bytes, id); });
 }
 
 void Runtime::Impl::start_load(std::unique_lock<std::mutex>& lock, TensorState& t, Tier dst,
@@ -101,7 +94,7 @@ void Runtime::Impl::start_load(std::unique_lock<std::mutex>& lock, TensorState& 
     const bool up = dst == Tier::Device;
     Stream& stream = up ? backend->h2d_stream() : backend->d2h_stream();
     auto event = std::shared_ptr<Event>(backend->create_event());
-    const std::uint64_t enqueued = telemetry.now_ns();
+    const std::uint64_t enqueued = steady_ns();
     stream.copy_async(d.ptr, s.ptr, bytes, up ? CopyKind::HostToDevice : CopyKind::DeviceToHost);
     stream.record(*event);
     d.event = event;
@@ -117,11 +110,10 @@ void Runtime::Impl::start_load(std::unique_lock<std::mutex>& lock, TensorState& 
     const bool read = src == Tier::Nvme;
     const ExtentId extent = read ? s.extent : d.extent;
     std::byte* ptr = read ? d.ptr : s.ptr;
-    const std::uint64_t submitted = telemetry.now_ns();
+    const std::uint64_t submitted = steady_ns();
     io_after_unlock_.push_back([=, this] {
       auto done = [=, this](std::exception_ptr e) {
-        telemetry.record({submitted, telemetry.now_ns(), read ? Track::NvmeRead : Track::NvmeWrite,
-                          bytes, tp->id, 0});
+        span(read ? Track::NvmeRead : Track::NvmeWrite, submitted, bytes, tp->id);
         finish_move(*tp, dst, src, e, version);
       };
       if (read)

@@ -43,7 +43,6 @@ bool Runtime::Impl::discard(std::unique_lock<std::mutex>& lock, TensorState& t, 
     Copy& c = t.copies[idx(own_tier)];
     --c.leases;
     if (writes(own->access()) && c.write_leases > 0) --c.write_leases;
-    stats[idx(own_tier)].leased_bytes -= t.desc.bytes;
   }
   for (Tier tier : {Tier::Device, Tier::Host, Tier::Nvme})
     free_space(t, tier);
@@ -62,11 +61,11 @@ void Runtime::Impl::ensure(std::unique_lock<std::mutex>& lock, TensorState& t, T
       continue;
     }
     if (c.state == CopyState::Loading) {
-      if (count) ++stats[idx(tier)].hits;  // already on its way (a prefetch hit)
+      if (count) requested(t, tier, true);  // already on its way (a prefetch hit)
       return;
     }
     if (t.current(tier)) {
-      if (count) ++stats[idx(tier)].hits;
+      if (count) requested(t, tier, true);
       c.ready = true;
       return;
     }
@@ -77,7 +76,7 @@ void Runtime::Impl::ensure(std::unique_lock<std::mutex>& lock, TensorState& t, T
                     "\" was discarded: its bytes are gone until a write lease "
                     "(Access::Write) or write() fills it");
       }
-      if (count) ++stats[idx(tier)].hits;  // nothing to move
+      if (count) requested(t, tier, true);  // nothing to move
       count = false;
       make_room(lock, t, tier);
       const Copy& now = t.copies[idx(tier)];
@@ -107,7 +106,7 @@ void Runtime::Impl::ensure(std::unique_lock<std::mutex>& lock, TensorState& t, T
         continue;
       }
     }
-    if (count) ++stats[idx(tier)].misses;
+    if (count) requested(t, tier, false);
     count = false;  // one request counts once, however often it loops
     const Tier src = source_for(t, tier);
     ++t.copies[idx(src)].pins;  // keep the source while room is made

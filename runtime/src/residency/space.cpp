@@ -138,7 +138,7 @@ bool Runtime::Impl::compact(Tier tier, std::uint64_t bytes) {
     for (std::size_t at = 0; at < size; at += step)
       backend->copy(gap + at, old + at, std::min(step, size - at), kind);
     c.ptr = gap;
-    ++stats[idx(tier)].compactions;
+    notify([&](Observer& o) { o.compacted(t->id, t->desc.bytes, tier); });
     moved = true;
     if (p->stats().largest_free_bytes >= bytes) break;
   }
@@ -241,9 +241,7 @@ void Runtime::Impl::evict_copy(std::unique_lock<std::mutex>& lock, TensorState& 
     // Moves that took this copy as their source while it was written back finish first.
     changed.wait(lock, [&] { return c.pins == 0; });
   }
-  ++stats[idx(tier)].evictions;
-  const std::uint64_t now = telemetry.now_ns();
-  telemetry.record({now, now, Track::Eviction, t.desc.bytes, t.id, idx(tier)});
+  notify([&](Observer& o) { o.evicted(t.id, t.desc.bytes, tier); });
   free_space(t, tier);
   changed.notify_all();
 }
@@ -281,8 +279,7 @@ void Runtime::Impl::write_back(std::unique_lock<std::mutex>& lock, TensorState& 
   run_after_unlock(lock);
   changed.wait(lock, [&] { return dst.state != CopyState::Loading; });
   if (dst.error) std::rethrow_exception(dst.error);
-  ++stats[idx(tier)].write_backs;
-  stats[idx(tier)].bytes_out += t.desc.bytes;
+  notify([&](Observer& o) { o.written_back(t.id, t.desc.bytes, tier); });
 }
 
 }  // namespace strata

@@ -20,7 +20,7 @@ namespace strata {
 
 using namespace residency;  // NOLINT(google-build-using-namespace): the core's own records
 
-Runtime::Impl::Impl(RuntimeOptions o) : options(std::move(o)), telemetry(options.trace_events) {
+Runtime::Impl::Impl(RuntimeOptions o) : options(std::move(o)) {
   options.validate();
   if (const std::string note = options.fit_staging_to_budget(); !note.empty()) {
     options.validate();  // the shrunk chunk against nvme.stripe_bytes
@@ -49,9 +49,6 @@ Runtime::Impl::Impl(RuntimeOptions o) : options(std::move(o)), telemetry(options
     options.nvme.direct = options.io.direct;
     swap = std::make_unique<SwapSpace>(options.nvme, *io);
   }
-  stats[idx(Tier::Device)].capacity_bytes = backend->info().budget_bytes;
-  stats[idx(Tier::Host)].capacity_bytes = host_pool->capacity();
-  stats[idx(Tier::Nvme)].capacity_bytes = swap ? swap->stats().capacity_bytes : 0;
   if (options.eviction == EvictionKind::FarthestNextUse) {
     // Until a schedule supplies next uses (the scheduler sets its own policy), every tensor
     // is equally far: the policy then falls back to least recently used.
@@ -99,10 +96,23 @@ std::uint64_t Runtime::Impl::used(Tier t) const {
 
 void Runtime::Impl::note_occupancy(Tier t) {
   const std::uint64_t u = used(t);
-  TierStats& s = stats[idx(t)];
-  s.used_bytes = u;
-  s.peak_bytes = std::max(s.peak_bytes, u);
-  telemetry.occupancy(t, u);
+  notify([&](Observer& o) { o.occupancy(t, u); });
+}
+
+void Runtime::Impl::add_observer(std::shared_ptr<Observer> observer) {
+  const std::size_t n = observer_count.load(std::memory_order_relaxed);
+  STRATA_EXPECTS(observer != nullptr, "add_observer: a null observer");
+  STRATA_EXPECTS(n < kMaxObservers, "add_observer: ", kMaxObservers - 2,
+                 " observers are already added, which is the most there may be");
+  observer_slots[n] = observer.get();
+  observer_owners.push_back(std::move(observer));
+  observer_count.store(n + 1, std::memory_order_release);
+}
+
+void Runtime::Impl::span(Track track, std::uint64_t start, std::uint64_t bytes,
+                         TensorId id) const noexcept {
+  const std::uint64_t end = steady_ns();
+  notify([&](Observer& o) { o.span(track, std::min(start, end), end, bytes, id); });
 }
 
 bool Runtime::Impl::dirty(const TensorState& t, Tier tier) const {

@@ -13,13 +13,18 @@
 #include "strata/io/swap_space.h"
 #include "strata/runtime/backend.h"
 #include "strata/runtime/config.h"
-#include "strata/runtime/telemetry.h"
+#include "strata/runtime/observer.h"
+#include "strata/runtime/stats.h"
 #include "strata/runtime/tensor.h"
 #include "strata/runtime/tier.h"
 
 namespace strata {
 
 class Runtime;
+class Telemetry;  // strata/runtime/telemetry.h
+namespace detail {
+class Statistics;
+}
 
 /// The right to use a tensor's bytes on one tier. While it lives the copy stays there (it is
 /// never evicted or moved). Write access makes this copy the tensor's newest when the lease ends
@@ -210,7 +215,11 @@ class Runtime {
   void set_eviction_policy(std::shared_ptr<EvictionPolicy> policy);
 
   [[nodiscard]] Backend& backend() noexcept;
+  /// The trace of copies, I/O, evictions and occupancy (include strata/runtime/telemetry.h).
   [[nodiscard]] Telemetry& telemetry() noexcept;
+  /// Adds an observer of the residency core's events (observer.h), beside the statistics and the
+  /// trace; it lives as long as the Runtime. At most 6 may be added.
+  void add_observer(std::shared_ptr<Observer> observer);
   /// Null when no NVMe tier is configured.
   [[nodiscard]] IoEngine* io() noexcept;
   [[nodiscard]] SwapSpace* swap() noexcept;
@@ -221,6 +230,8 @@ class Runtime {
   friend class LeaseFuture;
   struct Impl;
   std::unique_ptr<Impl> impl_;
+  std::shared_ptr<Telemetry> telemetry_;
+  std::shared_ptr<detail::Statistics> statistics_;
 };
 
 }  // namespace strata

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "strata/runtime/runtime.h"
+#include "strata/runtime/telemetry.h"
 
 namespace strata {
 
