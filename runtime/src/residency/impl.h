@@ -6,6 +6,7 @@
 //   space.cpp           allocating, freeing, compacting, making room by eviction and write-back
 //   arrival.cpp         a device copy that lands in pieces over copies it replaces
 //   moves.cpp           starting a move between two tiers and finishing it
+//   transport.cpp       the ways across, one per pair of tiers (stream copies, one I/O)
 //   chunk_pipeline.cpp  NVMe <-> device moves (and host -> device in pieces) chunk by chunk
 //   requests.cpp        making a tier hold a tensor's newest bytes; discarding them
 //   leases.cpp          Lease and LeaseFuture, and ending a lease
@@ -162,18 +163,30 @@ struct Runtime::Impl {
 
   // ---- moves.cpp ----
 
-  // Starts moving t's newest bytes from `src` into its (allocated) copy on `dst`. Lock held; I/O
-  // is queued for run_after_unlock.
+  // Starts moving t's newest bytes from `src` into its (allocated) copy on `dst` by the way
+  // across (transport.cpp). Lock held; I/O is queued for run_after_unlock.
   void start_load(std::unique_lock<std::mutex>& lock, TensorState& t, Tier dst, Tier src);
   // Completion of a move into `dst` (any thread; takes the lock).
   // `via`: the tier the bytes passed through on the way (a kept host copy), if any.
   void finish_move(TensorState& t, Tier dst, Tier src, std::exception_ptr error,
                    std::uint64_t version, std::optional<Tier> via = std::nullopt);
+  // Runs io_after_unlock_ with the lock released; returns with it held.
+  void run_after_unlock(std::unique_lock<std::mutex>& lock);
+
+  // ---- transport.cpp (lock held) ----
+
+  // A way across: carries a begun move of t's bytes (at `version`) from its `src` copy into its
+  // `dst` copy, and calls finish_move when they land. Queues I/O for after the unlock.
+  using Way = void (Impl::*)(TensorState& t, Tier dst, Tier src, std::uint64_t version);
+  // The way from `src` to `dst`; null when there is none (the same tier).
+  static Way way_across(Tier src, Tier dst);
+  // Device <-> host: one copy on the h2d or d2h stream.
+  void copy_on_stream(TensorState& t, Tier dst, Tier src, std::uint64_t version);
+  // Host <-> NVMe: one read or write of the whole extent.
+  void one_io(TensorState& t, Tier dst, Tier src, std::uint64_t version);
   // Records a stream copy's span: it began when the previous work on its stream finished.
   void stream_span(std::atomic<std::uint64_t>& last, Track track, std::uint64_t enqueued,
                    std::uint64_t bytes, TensorId id);
-  // Runs io_after_unlock_ with the lock released; returns with it held.
-  void run_after_unlock(std::unique_lock<std::mutex>& lock);
 
   // ---- chunk_pipeline.cpp (Note [Chunk pipeline]; lock held) ----
 
@@ -195,6 +208,7 @@ struct Runtime::Impl {
     std::exception_ptr error;
     std::shared_ptr<Event> event;
   };
+  // The way across for NVMe <-> device (and host -> device in pieces).
   void start_pipeline(TensorState& t, Tier dst, Tier src, std::uint64_t version);
   // The first chunk not launched whose device room is held; chunks() when there is none.
   std::size_t next_chunk(const Pipeline& p) const;

@@ -1,18 +1,12 @@
-// Moves between tiers: starting one (a stream copy for device <-> host, one read or write for
-// host <-> NVMe, the chunk pipeline otherwise) and finishing it (the copy becomes Valid, or keeps
-// the error, and waiters wake). Never makes room: the caller has allocated the destination.
+// Moves between tiers: starting one (the copy becomes Loading, its source pinned; the way
+// across, from transport.cpp, carries the bytes) and finishing it (the copy becomes Valid, or
+// keeps the error, and waiters wake). Never makes room: the caller has allocated the
+// destination.
 
 #include <algorithm>
-#include <cstring>
-#include <limits>
-#include <map>
-#include <string>
 
 #include "impl.h"
-#include "strata/io/device_limits.h"
 #include "strata/io/error.h"
-#include "strata/io/pages.h"
-#include "strata/io/units.h"
 
 namespace strata {
 
@@ -58,13 +52,6 @@ void Runtime::Impl::finish_move(TensorState& t, Tier dst, Tier src, std::excepti
   run_after_unlock(lock);
 }
 
-void Runtime::Impl::stream_span(std::atomic<std::uint64_t>& last, Track track,
-                                std::uint64_t enqueued, std::uint64_t bytes, TensorId id) {
-  const std::uint64_t end = steady_ns();
-  const std::uint64_t start = std::max(enqueued, last.exchange(end));
-  notify([&](Observer& o) { o.span(track, std::min(start, end), end, bytes, id); });
-}
-
 void Runtime::Impl::start_load(std::unique_lock<std::mutex>& lock, TensorState& t, Tier dst,
                                Tier src) {
   (void)lock;
@@ -74,6 +61,11 @@ void Runtime::Impl::start_load(std::unique_lock<std::mutex>& lock, TensorState& 
     STRATA_FAIL(Errc::internal, "tensor \"", t.desc.name, "\": a move into its ", to_string(dst),
                 " copy, which is current or has a move in flight (Note [One move into a copy])");
   }
+  const Way way = way_across(src, dst);
+  if (way == nullptr) {
+    STRATA_FAIL(Errc::internal, "tensor \"", t.desc.name, "\": no way across from ", to_string(src),
+                " to ", to_string(dst));
+  }
   ++s.pins;
   d.state = CopyState::Loading;
   d.version = t.version;
@@ -82,49 +74,12 @@ void Runtime::Impl::start_load(std::unique_lock<std::mutex>& lock, TensorState& 
   d.event.reset();
   ++t.moves;
   ++moves_in_flight;
-  const std::uint64_t version = t.version;
-  const std::uint64_t bytes = t.desc.bytes;
-  TensorState* tp = &t;
-
+  // Note [Arrival in pieces]: a copy landing in pieces goes chunk by chunk, whatever its way.
   if (src == Tier::Host && dst == Tier::Device && arrivals.contains(t.id)) {
-    start_pipeline(t, dst, src, version);  // Note [Arrival in pieces]
+    start_pipeline(t, dst, src, t.version);
     return;
   }
-  if ((src == Tier::Host && dst == Tier::Device) || (src == Tier::Device && dst == Tier::Host)) {
-    const bool up = dst == Tier::Device;
-    Stream& stream = up ? backend->h2d_stream() : backend->d2h_stream();
-    auto event = std::shared_ptr<Event>(backend->create_event());
-    const std::uint64_t enqueued = steady_ns();
-    stream.copy_async(d.ptr, s.ptr, bytes, up ? CopyKind::HostToDevice : CopyKind::DeviceToHost);
-    stream.record(*event);
-    d.event = event;
-    if (up) d.ready = true;  // a device lease may go out now: its users wait on the event
-    stream.launch_host_func([this, tp, dst, src, version, enqueued, bytes, up] {
-      stream_span(up ? h2d_last_ns : d2h_last_ns, up ? Track::H2D : Track::D2H, enqueued, bytes,
-                  tp->id);
-      finish_move(*tp, dst, src, nullptr, version);
-    });
-    return;
-  }
-  if ((src == Tier::Nvme && dst == Tier::Host) || (src == Tier::Host && dst == Tier::Nvme)) {
-    const bool read = src == Tier::Nvme;
-    const ExtentId extent = read ? s.extent : d.extent;
-    std::byte* ptr = read ? d.ptr : s.ptr;
-    const std::uint64_t submitted = steady_ns();
-    io_after_unlock_.push_back([=, this] {
-      auto done = [=, this](std::exception_ptr e) {
-        span(read ? Track::NvmeRead : Track::NvmeWrite, submitted, bytes, tp->id);
-        finish_move(*tp, dst, src, e, version);
-      };
-      if (read)
-        swap->read(extent, 0, ptr, bytes, std::move(done));
-      else
-        swap->write(extent, 0, ptr, bytes, std::move(done));
-    });
-    return;
-  }
-  // Nvme <-> Device: a pipeline of chunks.
-  start_pipeline(t, dst, src, version);
+  (this->*way)(t, dst, src, t.version);
 }
 
 void Runtime::Impl::run_after_unlock(std::unique_lock<std::mutex>& lock) {

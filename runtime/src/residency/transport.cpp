@@ -1,0 +1,86 @@
+// Transport: the ways across, one per pair of tiers, in one table (way_across). A way carries a
+// move that start_load (moves.cpp) has begun, from the source copy into the destination's
+// allocated space, and calls finish_move when the bytes have landed (or failed). It touches
+// only the two copies' bytes and the links; never the table's bookkeeping or the space.
+//
+//   from \ to  Device                   Host               Nvme
+//   Device     -                        stream copy (d2h)  chunk pipeline (d2h, then write)
+//   Host       stream copy (h2d)        -                  one write
+//   Nvme       chunk pipeline (read,    one read           -
+//              then h2d; or direct)
+//
+// A new way (GPUDirect Storage's cuFile for Nvme <-> Device) is one new function and its entry
+// in the table.
+
+#include <algorithm>
+#include <array>
+
+#include "impl.h"
+
+namespace strata {
+
+using namespace residency;  // NOLINT(google-build-using-namespace): the core's own records
+
+Runtime::Impl::Way Runtime::Impl::way_across(Tier src, Tier dst) {
+  static constexpr std::array<std::array<Way, kTiers>, kTiers> kWays = [] {
+    std::array<std::array<Way, kTiers>, kTiers> w{};  // [from][to]; null: no way
+    w[idx(Tier::Host)][idx(Tier::Device)] = &Impl::copy_on_stream;
+    w[idx(Tier::Device)][idx(Tier::Host)] = &Impl::copy_on_stream;
+    w[idx(Tier::Nvme)][idx(Tier::Host)] = &Impl::one_io;
+    w[idx(Tier::Host)][idx(Tier::Nvme)] = &Impl::one_io;
+    w[idx(Tier::Nvme)][idx(Tier::Device)] = &Impl::start_pipeline;  // chunk_pipeline.cpp
+    w[idx(Tier::Device)][idx(Tier::Nvme)] = &Impl::start_pipeline;
+    return w;
+  }();
+  return kWays[idx(src)][idx(dst)];
+}
+
+void Runtime::Impl::stream_span(std::atomic<std::uint64_t>& last, Track track,
+                                std::uint64_t enqueued, std::uint64_t bytes, TensorId id) {
+  const std::uint64_t end = steady_ns();
+  const std::uint64_t start = std::max(enqueued, last.exchange(end));
+  notify([&](Observer& o) { o.span(track, std::min(start, end), end, bytes, id); });
+}
+
+void Runtime::Impl::copy_on_stream(TensorState& t, Tier dst, Tier src, std::uint64_t version) {
+  Copy& d = t.copies[idx(dst)];
+  const Copy& s = t.copies[idx(src)];
+  const bool up = dst == Tier::Device;
+  const std::uint64_t bytes = t.desc.bytes;
+  TensorState* tp = &t;
+  Stream& stream = up ? backend->h2d_stream() : backend->d2h_stream();
+  auto event = std::shared_ptr<Event>(backend->create_event());
+  const std::uint64_t enqueued = steady_ns();
+  stream.copy_async(d.ptr, s.ptr, bytes, up ? CopyKind::HostToDevice : CopyKind::DeviceToHost);
+  stream.record(*event);
+  d.event = event;
+  if (up) d.ready = true;  // a device lease may go out now: its users wait on the event
+  stream.launch_host_func([this, tp, dst, src, version, enqueued, bytes, up] {
+    stream_span(up ? h2d_last_ns : d2h_last_ns, up ? Track::H2D : Track::D2H, enqueued, bytes,
+                tp->id);
+    finish_move(*tp, dst, src, nullptr, version);
+  });
+}
+
+void Runtime::Impl::one_io(TensorState& t, Tier dst, Tier src, std::uint64_t version) {
+  const bool read = src == Tier::Nvme;
+  const ExtentId extent = read ? t.copies[idx(src)].extent : t.copies[idx(dst)].extent;
+  std::byte* ptr = read ? t.copies[idx(dst)].ptr : t.copies[idx(src)].ptr;
+  const std::uint64_t bytes = t.desc.bytes;
+  TensorState* tp = &t;
+  const std::uint64_t submitted = steady_ns();
+  // Submitted after the lock is released: an I/O that fails at once completes inline, and its
+  // completion takes the lock.
+  io_after_unlock_.push_back([=, this] {
+    auto done = [=, this](std::exception_ptr e) {
+      span(read ? Track::NvmeRead : Track::NvmeWrite, submitted, bytes, tp->id);
+      finish_move(*tp, dst, src, e, version);
+    };
+    if (read)
+      swap->read(extent, 0, ptr, bytes, std::move(done));
+    else
+      swap->write(extent, 0, ptr, bytes, std::move(done));
+  });
+}
+
+}  // namespace strata
