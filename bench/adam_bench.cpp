@@ -28,9 +28,9 @@
 #include <CLI/CLI.hpp>
 
 #include "bench_common.h"
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 #include "strata/io/pages.h"
-#include "strata/io/units.h"
+#include "strata/base/units.h"
 #include "strata/optim/adam.h"
 
 namespace strata::bench {

@@ -13,9 +13,9 @@
 #include <CLI/CLI.hpp>
 
 #include "bench_common.h"
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 #include "strata/io/range_allocator.h"
-#include "strata/io/units.h"
+#include "strata/base/units.h"
 
 namespace strata::bench {
 namespace {

@@ -7,8 +7,8 @@
 #include <CLI/CLI.hpp>
 
 #include "bench_common.h"
-#include "strata/io/error.h"
-#include "strata/io/units.h"
+#include "strata/base/error.h"
+#include "strata/base/units.h"
 #include "strata/runtime/backend.h"
 
 namespace strata::bench {

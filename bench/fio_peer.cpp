@@ -14,7 +14,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 #include "strata/io/memory_limits.h"
 #include "strata/io/pages.h"
 

@@ -9,7 +9,7 @@
 #include <cstring>
 
 #include "bench_common.h"
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 
 namespace strata::bench {
 namespace {

@@ -23,10 +23,10 @@
 #include "bench_common.h"
 #include "fio_peer.h"
 #include "strata/io/device_limits.h"
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 #include "strata/io/io_engine.h"
 #include "strata/io/pages.h"
-#include "strata/io/units.h"
+#include "strata/base/units.h"
 
 namespace strata::bench {
 namespace {

@@ -4,7 +4,7 @@
 
 #include <CLI/CLI.hpp>
 
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 
 namespace strata::bench {
 void register_alloc(CLI::App& app);

@@ -12,7 +12,7 @@
 #include "strata/io/file.h"
 #include "strata/io/io_engine.h"
 #include "strata/io/pages.h"
-#include "strata/io/units.h"
+#include "strata/base/units.h"
 #include "strata/runtime/runtime.h"
 
 namespace {

@@ -18,9 +18,9 @@
 
 #include "bench_common.h"
 #include "gemm_compute.h"
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 #include "strata/io/pages.h"
-#include "strata/io/units.h"
+#include "strata/base/units.h"
 #include "strata/runtime/runtime.h"
 #include "strata/runtime/svg_timeline.h"
 #include "strata/runtime/telemetry.h"

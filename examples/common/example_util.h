@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 
 namespace strata::examples {
 

@@ -16,8 +16,8 @@
 #include <nlohmann/json.hpp>
 
 #include "model.h"
-#include "strata/io/error.h"
-#include "strata/io/units.h"
+#include "strata/base/error.h"
+#include "strata/base/units.h"
 
 namespace {
 

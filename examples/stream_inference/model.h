@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 #include "strata/runtime/safetensors.h"
 #include "strata/runtime/tensor.h"
 #include "strata/scheduler/overlap_metrics.h"

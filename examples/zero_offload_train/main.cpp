@@ -14,8 +14,8 @@
 #include <nlohmann/json.hpp>
 
 #include "example_util.h"
-#include "strata/io/error.h"
-#include "strata/io/units.h"
+#include "strata/base/error.h"
+#include "strata/base/units.h"
 #include "trainer.h"
 
 namespace {

@@ -17,9 +17,9 @@
 #include <nlohmann/json.hpp>
 
 #include "example_util.h"
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 #include "strata/io/pages.h"
-#include "strata/io/units.h"
+#include "strata/base/units.h"
 #include "strata/optim/adam.h"
 #include "strata/runtime/runtime.h"
 #include "strata/runtime/telemetry.h"

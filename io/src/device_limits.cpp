@@ -11,7 +11,7 @@
 #include <system_error>
 
 #include "strata/io/pages.h"
-#include "strata/io/units.h"
+#include "strata/base/units.h"
 
 namespace strata {
 namespace {

@@ -8,7 +8,7 @@
 #include <cerrno>
 #include <cstdio>
 
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 
 namespace strata {
 

@@ -8,9 +8,9 @@
 
 #include "callback_future.h"
 #include "engines.h"
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 #include "strata/io/pages.h"
-#include "strata/io/units.h"
+#include "strata/base/units.h"
 
 namespace strata {
 

@@ -18,9 +18,9 @@
 #include <sstream>
 #include <vector>
 
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 #include "strata/io/pages.h"
-#include "strata/io/units.h"
+#include "strata/base/units.h"
 
 namespace strata {
 namespace {

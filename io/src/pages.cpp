@@ -16,9 +16,9 @@
 #include <fstream>
 #include <string>
 
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 #include "strata/io/memory_limits.h"
-#include "strata/io/units.h"
+#include "strata/base/units.h"
 
 namespace strata {
 namespace {

@@ -10,9 +10,9 @@
 #include <vector>
 
 #include "engines.h"
-#include "strata/io/error.h"
-#include "strata/io/thread_name.h"
-#include "strata/io/units.h"
+#include "strata/base/error.h"
+#include "strata/base/thread_name.h"
+#include "strata/base/units.h"
 
 namespace strata::detail {
 namespace {

@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <iterator>
 
-#include "strata/io/error.h"
-#include "strata/io/units.h"
+#include "strata/base/error.h"
+#include "strata/base/units.h"
 
 namespace strata {
 

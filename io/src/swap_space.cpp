@@ -9,10 +9,10 @@
 
 #include "callback_future.h"
 #include "strata/io/crc32c.h"
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 #include "strata/io/pages.h"
-#include "strata/io/tunables.h"
-#include "strata/io/units.h"
+#include "strata/base/tunables.h"
+#include "strata/base/units.h"
 
 namespace strata {
 

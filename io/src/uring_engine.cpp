@@ -33,10 +33,10 @@
 #include <vector>
 
 #include "engines.h"
-#include "strata/io/error.h"
-#include "strata/io/thread_name.h"
-#include "strata/io/tunables.h"
-#include "strata/io/units.h"
+#include "strata/base/error.h"
+#include "strata/base/thread_name.h"
+#include "strata/base/tunables.h"
+#include "strata/base/units.h"
 #include "uring_setup.h"
 
 namespace strata::detail {

@@ -4,8 +4,8 @@
 #include <mutex>
 
 #include "backends/backends.h"
-#include "strata/io/error.h"
-#include "strata/io/tunables.h"
+#include "strata/base/error.h"
+#include "strata/base/tunables.h"
 #include "strata/runtime/tier.h"
 
 namespace strata {

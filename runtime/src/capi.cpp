@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 #include "strata/runtime/runtime.h"
 #include "strata/runtime/telemetry.h"
 

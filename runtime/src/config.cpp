@@ -5,9 +5,9 @@
 
 #include <nlohmann/json.hpp>
 
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 #include "strata/io/pages.h"
-#include "strata/io/units.h"
+#include "strata/base/units.h"
 
 namespace strata {
 

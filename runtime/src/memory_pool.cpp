@@ -1,7 +1,7 @@
 #include "strata/runtime/memory_pool.h"
 
-#include "strata/io/error.h"
-#include "strata/io/units.h"
+#include "strata/base/error.h"
+#include "strata/base/units.h"
 
 namespace strata {
 

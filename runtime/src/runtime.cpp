@@ -19,9 +19,9 @@
 #include "residency/impl.h"
 #include "statistics.h"
 #include "strata/io/device_limits.h"
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 #include "strata/io/pages.h"
-#include "strata/io/units.h"
+#include "strata/base/units.h"
 #include "strata/runtime/telemetry.h"
 
 namespace strata {

@@ -12,7 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 
 namespace strata::safetensors {
 namespace {

@@ -6,8 +6,8 @@
 #include <fstream>
 #include <sstream>
 
-#include "strata/io/error.h"
-#include "strata/io/units.h"
+#include "strata/base/error.h"
+#include "strata/base/units.h"
 
 namespace strata {
 

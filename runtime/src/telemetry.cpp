@@ -7,7 +7,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 
 namespace strata {
 

@@ -2,7 +2,7 @@
 
 #include <cctype>
 
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 
 namespace strata {
 

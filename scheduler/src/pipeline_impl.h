@@ -16,7 +16,7 @@
 #include <thread>
 #include <vector>
 
-#include "strata/io/tunables.h"
+#include "strata/base/tunables.h"
 #include "strata/scheduler/prefetch_pipeline.h"
 
 namespace strata {

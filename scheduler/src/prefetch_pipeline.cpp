@@ -11,8 +11,8 @@
 #include <utility>
 
 #include "pipeline_impl.h"
-#include "strata/io/error.h"
-#include "strata/io/thread_name.h"
+#include "strata/base/error.h"
+#include "strata/base/thread_name.h"
 
 namespace strata {
 namespace {

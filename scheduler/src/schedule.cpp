@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <unordered_set>
 
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 
 namespace strata {
 

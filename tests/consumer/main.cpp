@@ -3,7 +3,7 @@
 #include <cstring>
 #include <vector>
 
-#include <strata/io/units.h>
+#include <strata/base/units.h>
 #include <strata/runtime/backend.h>
 
 int main() {

@@ -9,7 +9,7 @@
 #include <string>
 
 #include "io/io_test_util.h"
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 #include "strata/runtime/safetensors.h"
 
 namespace strata::testing {

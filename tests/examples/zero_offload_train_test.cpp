@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "io/io_test_util.h"
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 #include "strata/io/io_options.h"
 
 namespace strata::testing {

@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <string_view>
 
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 #include "strata/runtime/safetensors.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {

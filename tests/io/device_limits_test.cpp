@@ -15,7 +15,7 @@
 #include "strata/io/file.h"
 #include "strata/io/io_engine.h"
 #include "strata/io/pages.h"
-#include "strata/io/units.h"
+#include "strata/base/units.h"
 
 namespace strata::testing {
 namespace {

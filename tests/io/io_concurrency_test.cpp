@@ -8,7 +8,7 @@
 
 #include "io/io_test_util.h"
 #include "strata/io/swap_space.h"
-#include "strata/io/units.h"
+#include "strata/base/units.h"
 
 namespace strata::testing {
 namespace {

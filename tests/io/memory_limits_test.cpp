@@ -23,9 +23,9 @@
 #include <vector>
 
 #include "io_test_util.h"
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 #include "strata/io/pages.h"
-#include "strata/io/units.h"
+#include "strata/base/units.h"
 
 namespace strata {
 namespace {

@@ -11,9 +11,9 @@
 #include <string>
 
 #include "io_test_util.h"
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 #include "strata/io/file.h"
-#include "strata/io/units.h"
+#include "strata/base/units.h"
 
 namespace strata {
 namespace {

@@ -12,8 +12,8 @@
 
 #include "io/io_test_util.h"
 #include "strata/io/crc32c.h"
-#include "strata/io/error.h"
-#include "strata/io/units.h"
+#include "strata/base/error.h"
+#include "strata/base/units.h"
 
 namespace strata::testing {
 namespace {

@@ -1,8 +1,8 @@
-#include "strata/io/units.h"
+#include "strata/base/units.h"
 
 #include <gtest/gtest.h>
 
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 
 namespace strata {
 namespace {

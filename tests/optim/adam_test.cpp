@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "optim/adam_reference.h"
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 
 namespace strata::optim {
 namespace {

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "runtime/backend_fixture.h"
-#include "strata/io/units.h"
+#include "strata/base/units.h"
 
 namespace strata::testing {
 namespace {

@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "runtime/backend_fixture.h"
-#include "strata/io/error.h"
-#include "strata/io/units.h"
+#include "strata/base/error.h"
+#include "strata/base/units.h"
 
 namespace strata::testing {
 namespace {

@@ -4,8 +4,8 @@
 
 #include <vector>
 
-#include "strata/io/error.h"
-#include "strata/io/units.h"
+#include "strata/base/error.h"
+#include "strata/base/units.h"
 
 namespace strata {
 namespace {

@@ -8,7 +8,7 @@
 #include <thread>
 
 #include "runtime/runtime_fixture.h"
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 
 namespace strata::testing {
 namespace {

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "io/io_test_util.h"
-#include "strata/io/units.h"
+#include "strata/base/units.h"
 #include "strata/runtime/runtime.h"
 
 namespace strata::testing {

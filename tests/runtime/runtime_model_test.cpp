@@ -6,7 +6,7 @@
 #include <random>
 
 #include "runtime/runtime_fixture.h"
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 
 namespace strata::testing {
 namespace {

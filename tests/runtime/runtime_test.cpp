@@ -10,7 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "runtime/runtime_fixture.h"
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 
 namespace strata::testing {
 namespace {

@@ -11,7 +11,7 @@
 #include <string>
 
 #include "runtime/runtime_fixture.h"
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 
 namespace strata::testing {
 namespace {

@@ -10,7 +10,7 @@
 #include <unordered_set>
 
 #include "runtime/runtime_fixture.h"
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 #include "strata/io/io_options.h"
 #include "strata/runtime/telemetry.h"
 

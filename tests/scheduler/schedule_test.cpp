@@ -2,7 +2,7 @@
 
 #include <gtest/gtest.h>
 
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 
 namespace strata {
 namespace {

@@ -7,9 +7,9 @@
 #include <mutex>
 
 #include "backends.h"
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 #include "strata/io/memory_limits.h"
-#include "strata/io/units.h"
+#include "strata/base/units.h"
 
 namespace strata::detail {
 namespace {

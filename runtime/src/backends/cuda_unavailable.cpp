@@ -1,6 +1,6 @@
 // Stand-in for the CUDA backend in a build without the CUDA toolkit.
 #include "backends.h"
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 
 namespace strata::detail {
 

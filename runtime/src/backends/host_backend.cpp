@@ -11,8 +11,8 @@
 #include <thread>
 
 #include "backends.h"
-#include "strata/io/error.h"
-#include "strata/io/thread_name.h"
+#include "strata/base/error.h"
+#include "strata/base/thread_name.h"
 
 namespace strata::detail {
 namespace {

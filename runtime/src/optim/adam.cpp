@@ -28,7 +28,7 @@
 #include <cmath>
 #include <cstring>
 
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 
 namespace strata::optim {
 

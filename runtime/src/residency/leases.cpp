@@ -6,7 +6,7 @@
 #include <utility>
 
 #include "impl.h"
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 
 namespace strata {
 

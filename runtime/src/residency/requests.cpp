@@ -9,9 +9,9 @@
 
 #include "impl.h"
 #include "strata/io/device_limits.h"
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 #include "strata/io/pages.h"
-#include "strata/io/units.h"
+#include "strata/base/units.h"
 
 namespace strata {
 

@@ -10,10 +10,10 @@
 
 #include "impl.h"
 #include "strata/io/device_limits.h"
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 #include "strata/io/pages.h"
-#include "strata/io/tunables.h"
-#include "strata/io/units.h"
+#include "strata/base/tunables.h"
+#include "strata/base/units.h"
 
 namespace strata {
 

@@ -8,7 +8,7 @@
 #include <string_view>
 #include <vector>
 
-#include "strata/io/tunables.h"
+#include "strata/base/tunables.h"
 
 namespace strata {
 
@@ -34,7 +34,7 @@ bool fault_injection_available() noexcept;
 /// Parses "read:3:eio", "write:10:enospc", "read:1:short", "ring:2:eio".
 FaultSpec parse_fault(std::string_view text, std::string_view key = "io.faults");
 
-namespace io_defaults = tunables;  // the defaults below: strata/io/tunables.h
+namespace io_defaults = tunables;  // the defaults below: strata/base/tunables.h
 
 struct IoOptions {
   EngineKind engine = EngineKind::Auto;

@@ -12,11 +12,12 @@
 #include <unordered_map>
 #include <vector>
 
+#include "strata/base/ids.h"
 #include "strata/io/file.h"
 #include "strata/io/io_engine.h"
 #include "strata/io/pages.h"
 #include "strata/io/range_allocator.h"
-#include "strata/io/tunables.h"
+#include "strata/base/tunables.h"
 
 namespace strata {
 
@@ -32,8 +33,6 @@ struct SwapOptions {
   void validate() const;
 };
 
-/// Identifies an extent of a SwapSpace.
-using ExtentId = std::uint64_t;
 
 /// One contiguous piece of an extent inside one file.
 struct ExtentPiece {

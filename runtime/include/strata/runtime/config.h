@@ -8,7 +8,7 @@
 
 #include "strata/io/io_options.h"
 #include "strata/io/swap_space.h"
-#include "strata/io/tunables.h"
+#include "strata/base/tunables.h"
 #include "strata/runtime/backend.h"
 
 namespace strata {

@@ -7,9 +7,10 @@
 #include <string_view>
 #include <vector>
 
+#include "strata/base/ids.h"
+
 namespace strata {
 
-using TensorId = std::uint64_t;
 
 enum class DType : std::uint8_t { F32, F16, BF16, F64, I64, I32, I16, I8, U8, Bool };
 std::string_view to_string(DType dtype) noexcept;

@@ -3,7 +3,7 @@
 // is a measurement error rather than a result.
 #pragma once
 
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 
 namespace strata {
 

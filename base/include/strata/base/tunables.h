@@ -1,7 +1,7 @@
 // Every tunable default of strata, named and explained once. The options structs
 // (IoOptions, SwapOptions, RuntimeOptions, PipelineOptions) take their defaults from here, and
 // the fixed sizes the code uses are these names, not numbers written where they are used. It
-// lives in io, the bottom layer, so that every layer can read it; it includes nothing.
+// lives in base, below every layer, so that every layer can read it; it includes nothing.
 #pragma once
 
 #include <cstddef>

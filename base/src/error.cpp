@@ -1,8 +1,8 @@
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 
 #include <cstring>
 
-#include "strata/io/units.h"
+#include "strata/base/units.h"
 
 namespace strata {
 

@@ -1,4 +1,4 @@
-#include "strata/io/units.h"
+#include "strata/base/units.h"
 
 #include <array>
 #include <cctype>
@@ -6,7 +6,7 @@
 #include <cstdio>
 #include <limits>
 
-#include "strata/io/error.h"
+#include "strata/base/error.h"
 
 namespace strata {
 namespace {
