@@ -18,10 +18,10 @@
 
 #include "residency/impl.h"
 #include "statistics.h"
-#include "strata/io/device_limits.h"
 #include "strata/base/error.h"
-#include "strata/io/pages.h"
 #include "strata/base/units.h"
+#include "strata/io/device_limits.h"
+#include "strata/io/pages.h"
 #include "strata/runtime/telemetry.h"
 
 namespace strata {
@@ -171,13 +171,13 @@ void Runtime::destroy_tensor(TensorId id) {
   // source (pins), an eviction writing a copy back (Evicting; it holds a reference to this
   // state across its waits). Waiting for moves alone freed the state under an eviction that
   // was waiting for a reader's pin (a hang, then a use after free, in the 8-thread test).
-  rt.changed.wait(lock, [&] { return t.idle(); });
+  rt.settled.wait(lock, [&] { return t.idle(); });
   for (const Copy& c : t.copies)  // leased while it waited
     STRATA_EXPECTS(c.leases == 0, "destroy_tensor \"", t.desc.name, "\": it is leased");
   for (Tier tier : {Tier::Device, Tier::Host, Tier::Nvme})
     rt.free_space(t, tier);
   rt.tensors.erase(id);
-  rt.changed.notify_all();
+  rt.on_gone();
 }
 
 LeaseFuture Runtime::acquire(TensorId id, Tier tier, Access access) {
@@ -198,7 +198,7 @@ LeaseFuture Runtime::acquire(TensorId id, Tier tier, Access access) {
   ++c.leases;  // no eviction now
   if (writes(access)) ++c.write_leases;
   // A writer must not change bytes that a move is still copying out of this tier.
-  if (writes(access)) rt.changed.wait(lock, [&] { return c.pins == 0; });
+  if (writes(access)) rt.unpinned.wait(lock, [&] { return c.pins == 0; });
   c.last_use = ++rt.clock;
   LeaseFuture f;
   f.runtime_ = this;
@@ -236,7 +236,7 @@ bool Runtime::evict(TensorId id, Tier tier) {
   std::unique_lock lock(rt.mutex);
   TensorState& t = rt.get(id);
   Copy& c = t.copies[idx(tier)];
-  rt.changed.wait(lock,
+  rt.settled.wait(lock,
                   [&] { return c.state != CopyState::Loading && c.state != CopyState::Evicting; });
   if (!c.has_space()) return false;
   STRATA_EXPECTS(c.leases == 0, "evict \"", t.desc.name, "\" from ", to_string(tier),
@@ -245,7 +245,7 @@ bool Runtime::evict(TensorId id, Tier tier) {
     STRATA_FAIL(Errc::invalid_argument, "evict \"", t.desc.name, "\" from ", to_string(tier),
                 ": it is the only copy and there is no tier below");
   }
-  rt.changed.wait(lock, [&] { return c.pins == 0; });
+  rt.unpinned.wait(lock, [&] { return c.pins == 0; });
   if (!c.has_space()) return false;
   const bool dirty = rt.dirty(t, tier);
   rt.evict_copy(lock, t, tier);
@@ -260,7 +260,7 @@ void Runtime::read(TensorId id, void* dst, std::size_t bytes) {
                  t.desc.bytes, " bytes");
   STRATA_EXPECTS(!t.discarded, "read of \"", t.desc.name,
                  "\": it was discarded and not written since");
-  rt.changed.wait(lock, [&] {
+  rt.settled.wait(lock, [&] {
     for (Tier s : {Tier::Device, Tier::Host, Tier::Nvme})
       if (t.current(s) && t.copies[idx(s)].state == CopyState::Valid) return true;
     return false;
@@ -287,7 +287,6 @@ void Runtime::read(TensorId id, void* dst, std::size_t bytes) {
   }
   lock.lock();
   rt.unpin(c);
-  rt.changed.notify_all();
   if (error) std::rethrow_exception(error);
 }
 
@@ -306,7 +305,7 @@ void Runtime::write(TensorId id, const void* src, std::size_t bytes) {
   else if (t.copies[idx(Tier::Host)].has_space())
     tier = Tier::Host;
   Copy& c = t.copies[idx(tier)];
-  rt.changed.wait(lock, [&] {
+  rt.settled.wait(lock, [&] {
     return c.pins == 0 && c.state != CopyState::Loading && c.state != CopyState::Evicting;
   });
   if (tier == Tier::Nvme && c.mapped) rt.free_space(t, Tier::Nvme);  // never write a model
@@ -331,7 +330,7 @@ void Runtime::write(TensorId id, const void* src, std::size_t bytes) {
     // The old bytes may be partly overwritten; the tensor's other copies still hold them.
     c.state = CopyState::Absent;
     c.version = 0;
-    rt.changed.notify_all();
+    rt.on_gone();
     std::rethrow_exception(error);
   }
   t.version += 1;
@@ -340,7 +339,7 @@ void Runtime::write(TensorId id, const void* src, std::size_t bytes) {
   c.version = t.version;
   c.ready = true;
   c.last_use = ++rt.clock;
-  rt.changed.notify_all();
+  rt.on_gone();
 }
 
 void Runtime::discard(TensorId id) {
@@ -365,7 +364,6 @@ bool Lease::discard() {
     release();
     return false;
   }
-  rt.changed.notify_all();
   runtime_ = nullptr;
   event_.reset();
   return true;
@@ -378,7 +376,7 @@ bool Runtime::discarded(TensorId id) const {
 
 void Runtime::synchronize() {
   std::unique_lock lock(impl_->mutex);
-  impl_->changed.wait(lock, [&] { return impl_->moves_in_flight == 0; });
+  impl_->drained.wait(lock, [&] { return impl_->moves_in_flight == 0; });
 }
 
 TensorDesc Runtime::describe(TensorId id) const {

@@ -9,11 +9,11 @@
 #include <string>
 
 #include "impl.h"
-#include "strata/io/device_limits.h"
 #include "strata/base/error.h"
-#include "strata/io/pages.h"
 #include "strata/base/tunables.h"
 #include "strata/base/units.h"
+#include "strata/io/device_limits.h"
+#include "strata/io/pages.h"
 
 namespace strata {
 
@@ -83,7 +83,7 @@ bool Runtime::Impl::prefetch_replacing(std::unique_lock<std::mutex>& lock, Tenso
     // As ensure(): a device load waits for a host copy that is landing, and reads it.
     const Copy& h = t.copies[idx(Tier::Host)];
     if (h.state == CopyState::Loading && h.version == t.version) {
-      changed.wait(lock);
+      settled.wait(lock);
       continue;
     }
     break;
@@ -201,7 +201,7 @@ void Runtime::Impl::drop_claimed(TensorState& o) {
   }
   notify([&](Observer& ob) { ob.evicted(o.id, o.desc.bytes, Tier::Device); });
   free_space(o, Tier::Device);  // grants the claimant its part
-  changed.notify_all();
+  on_gone();
 }
 
 }  // namespace strata

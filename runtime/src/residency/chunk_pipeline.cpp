@@ -9,10 +9,10 @@
 #include <string>
 
 #include "impl.h"
-#include "strata/io/device_limits.h"
 #include "strata/base/error.h"
-#include "strata/io/pages.h"
 #include "strata/base/units.h"
+#include "strata/io/device_limits.h"
+#include "strata/io/pages.h"
 
 namespace strata {
 
@@ -134,7 +134,7 @@ void Runtime::Impl::copy_chunk_up(const std::shared_ptr<Pipeline>& p, std::uint6
     Copy& d = p->t->copies[idx(Tier::Device)];
     d.event = p->event;
     d.ready = true;  // device leases may go out: the last copy is on the stream
-    changed.notify_all();
+    ready_cv.notify_all();
   }
   h2d.launch_host_func([this, p, landing, enqueued, len, id = p->t->id] {
     stream_span(h2d_last_ns, Track::H2D, enqueued, len, id);

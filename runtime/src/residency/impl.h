@@ -61,7 +61,20 @@ struct Runtime::Impl {
   std::unordered_map<TensorId, Arrival> arrivals;
 
   mutable std::mutex mutex;
-  std::condition_variable changed;
+  // Note [Waits]: one condition variable per kind of wait, each notified only by the events that
+  // can end that kind, so a lease's release or a chunk landing does not wake every waiter:
+  //   ready_cv   a copy became ready for its leases, or failed    LeaseFuture::get
+  //   drained    the last move in flight finished                 synchronize, ~Impl
+  //   unpinned   a copy's pins reached zero                       waits on pins alone
+  //   settled    a move finished, a pin or a copy went, a write   waits on a copy's state:
+  //              ended                                            ensure, evict, read, write,
+  //                                                               write_back, idle()
+  //   room       space may have come free, or a copy may have     make_room
+  //              become evictable (a move, a pin, a lease ended)
+  // A waiter whose predicate mixes kinds waits on the one its every event notifies (settled
+  // hears unpins too). on_moved(), on_gone() and unpin() notify; nothing else does, except the
+  // chunk pipeline's ready_cv and end_lease's room.
+  std::condition_variable ready_cv, drained, unpinned, settled, room;
   std::unordered_map<TensorId, std::unique_ptr<TensorState>> tensors;
   TensorId next_id = 1;
   std::uint64_t clock = 0;
@@ -93,7 +106,23 @@ struct Runtime::Impl {
   // through here: a decrement without the wake-up left evict() and discard() asleep on a
   // condition that had become true (the ZeRO pipeline test hung about once in 200 runs).
   void unpin(Copy& c) {
-    if (--c.pins == 0) changed.notify_all();
+    if (--c.pins == 0) {
+      unpinned.notify_all();
+      settled.notify_all();
+      room.notify_all();
+    }
+  }
+  // A move finished (landed or failed; moves_in_flight already counts it out).
+  void on_moved() {
+    ready_cv.notify_all();
+    settled.notify_all();
+    room.notify_all();
+    if (moves_in_flight == 0) drained.notify_all();
+  }
+  // A copy was freed, stopped being written back, or was written: states and room changed.
+  void on_gone() {
+    settled.notify_all();
+    room.notify_all();
   }
   // A current copy with no current copy below it: evicting it needs a write-back.
   bool dirty(const TensorState& t, Tier tier) const;

@@ -55,7 +55,10 @@ void Runtime::Impl::end_lease(TensorId tensor, Tier tier, Access held, bool wrot
       if (tier == Tier::Device && rt.drop_if_claimed(lock, t)) rt.run_after_unlock(lock);
     }
   }
-  rt.changed.notify_all();
+  // Note [Waits]: a copy whose last lease ended may now be evicted; a written one is the newest
+  // copy now (a reader may be waiting for a current copy). Nobody else waits on leases.
+  rt.room.notify_all();
+  if (wrote) rt.settled.notify_all();
 }
 
 void Lease::release() noexcept {
@@ -104,7 +107,7 @@ Lease LeaseFuture::get() {
   std::unique_lock lock(rt.mutex);
   TensorState& t = rt.get(tensor_);
   Copy& c = t.copies[idx(tier_)];
-  rt.changed.wait(lock, [&] { return c.ready || c.error != nullptr; });
+  rt.ready_cv.wait(lock, [&] { return c.ready || c.error != nullptr; });
   if (!c.ready) {
     const std::exception_ptr error = c.error;
     lock.unlock();

@@ -48,7 +48,7 @@ void Runtime::Impl::finish_move(TensorState& t, Tier dst, Tier src, std::excepti
   // Note [Arrival in pieces]: a claimed copy whose leases ended while it landed or was a
   // move's source goes now.
   if (dst == Tier::Device || src == Tier::Device) drop_if_claimed(lock, t);
-  changed.notify_all();
+  on_moved();
   run_after_unlock(lock);
 }
 

@@ -8,10 +8,10 @@
 #include <string>
 
 #include "impl.h"
-#include "strata/io/device_limits.h"
 #include "strata/base/error.h"
-#include "strata/io/pages.h"
 #include "strata/base/units.h"
+#include "strata/io/device_limits.h"
+#include "strata/io/pages.h"
 
 namespace strata {
 
@@ -35,7 +35,7 @@ bool Runtime::Impl::discard(std::unique_lock<std::mutex>& lock, TensorState& t, 
                      "\": it is leased on ", to_string(tier));
   };
   if (own == nullptr) check_leases();
-  changed.wait(lock, [&] { return t.idle(); });
+  settled.wait(lock, [&] { return t.idle(); });
   if (own == nullptr) {
     check_leases();  // leased while the moves finished
   } else {
@@ -47,7 +47,7 @@ bool Runtime::Impl::discard(std::unique_lock<std::mutex>& lock, TensorState& t, 
   for (Tier tier : {Tier::Device, Tier::Host, Tier::Nvme})
     free_space(t, tier);
   t.discarded = true;
-  changed.notify_all();
+  on_gone();
   return true;
 }
 
@@ -57,7 +57,7 @@ void Runtime::Impl::ensure(std::unique_lock<std::mutex>& lock, TensorState& t, T
     Copy& c = t.copies[idx(tier)];
     if (c.state == CopyState::Evicting ||
         (c.state == CopyState::Loading && c.version != t.version)) {
-      changed.wait(lock);
+      settled.wait(lock);
       continue;
     }
     if (c.state == CopyState::Loading) {
@@ -94,7 +94,7 @@ void Runtime::Impl::ensure(std::unique_lock<std::mutex>& lock, TensorState& t, T
     // A write lease on a copy still finishing its load makes that copy the only current one
     // before it is Valid: wait for the load to land rather than pick no source.
     if (!t.current(Tier::Device) && !t.current(Tier::Host) && !t.current(Tier::Nvme)) {
-      changed.wait(lock);
+      settled.wait(lock);
       continue;
     }
     // A device load while the tensor's host copy is landing (a prefetch staged it from NVMe
@@ -102,7 +102,7 @@ void Runtime::Impl::ensure(std::unique_lock<std::mutex>& lock, TensorState& t, T
     if (tier == Tier::Device) {
       const Copy& h = t.copies[idx(Tier::Host)];
       if (h.state == CopyState::Loading && h.version == t.version) {
-        changed.wait(lock);
+        settled.wait(lock);
         continue;
       }
     }

@@ -9,11 +9,11 @@
 #include <string>
 
 #include "impl.h"
-#include "strata/io/device_limits.h"
 #include "strata/base/error.h"
-#include "strata/io/pages.h"
 #include "strata/base/tunables.h"
 #include "strata/base/units.h"
+#include "strata/io/device_limits.h"
+#include "strata/io/pages.h"
 
 namespace strata {
 
@@ -175,7 +175,7 @@ void Runtime::Impl::make_room(std::unique_lock<std::mutex>& lock, TensorState& t
         view.push_back({c->id, c->desc.bytes, c->copies[idx(tier)].last_use, false});
       const std::size_t pick = policy->choose(tier, view);
       if (pick >= candidates.size()) {
-        changed.wait(lock);  // the policy's victim is still landing
+        room.wait(lock);  // the policy's victim is still landing
         continue;
       }
       evict_copy(lock, *candidates[pick], tier);
@@ -190,7 +190,7 @@ void Runtime::Impl::make_room(std::unique_lock<std::mutex>& lock, TensorState& t
         arriving = true;
     }
     if (!arriving) out_of_memory(tier, t);
-    changed.wait(lock);
+    room.wait(lock);
   }
 }
 
@@ -234,16 +234,16 @@ void Runtime::Impl::evict_copy(std::unique_lock<std::mutex>& lock, TensorState& 
     } catch (...) {
       c.state = CopyState::Valid;  // still dirty, still here: nothing lost
       unpin(c);
-      changed.notify_all();
+      on_gone();
       throw;
     }
     unpin(c);
     // Moves that took this copy as their source while it was written back finish first.
-    changed.wait(lock, [&] { return c.pins == 0; });
+    unpinned.wait(lock, [&] { return c.pins == 0; });
   }
   notify([&](Observer& o) { o.evicted(t.id, t.desc.bytes, tier); });
   free_space(t, tier);
-  changed.notify_all();
+  on_gone();
 }
 
 void Runtime::Impl::write_back(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier) {
@@ -264,7 +264,7 @@ void Runtime::Impl::write_back(std::unique_lock<std::mutex>& lock, TensorState& 
     // Note [One move into a copy]: make_room may have waited with the lock released, and a
     // lease or prefetch may meanwhile have started (or finished) this very move into `dst`.
     if (dst.state == CopyState::Loading || dst.state == CopyState::Evicting) {
-      changed.wait(lock);
+      settled.wait(lock);
       continue;
     }
     if (!dirty(t, tier)) {  // that move landed (or a write lease below made this one stale)
@@ -277,7 +277,7 @@ void Runtime::Impl::write_back(std::unique_lock<std::mutex>& lock, TensorState& 
   Copy& dst = t.copies[idx(target)];
   start_load(lock, t, target, tier);
   run_after_unlock(lock);
-  changed.wait(lock, [&] { return dst.state != CopyState::Loading; });
+  settled.wait(lock, [&] { return dst.state != CopyState::Loading; });
   if (dst.error) std::rethrow_exception(dst.error);
   notify([&](Observer& o) { o.written_back(t.id, t.desc.bytes, tier); });
 }

@@ -11,10 +11,10 @@
 #include <string>
 
 #include "impl.h"
-#include "strata/io/device_limits.h"
 #include "strata/base/error.h"
-#include "strata/io/pages.h"
 #include "strata/base/units.h"
+#include "strata/io/device_limits.h"
+#include "strata/io/pages.h"
 
 namespace strata {
 
@@ -60,7 +60,7 @@ Runtime::Impl::Impl(RuntimeOptions o) : options(std::move(o)) {
 Runtime::Impl::~Impl() {
   {
     std::unique_lock lock(mutex);
-    changed.wait(lock, [&] { return moves_in_flight == 0; });
+    drained.wait(lock, [&] { return moves_in_flight == 0; });
   }
   backend->h2d_stream().synchronize();
   backend->d2h_stream().synchronize();
