@@ -2,17 +2,26 @@
 //   BM_AcquireReleaseResident   acquire + release of a tensor already on the device
 //   BM_NvmeToDevice/<MiB>       NVMe -> device move of one tensor (staging pipeline)
 //   BM_NvmeRead/<MiB>           the io engine alone reading as many bytes into pinned memory
+//   BM_AcquireDuringCompaction/<MiB>
+//                               a device acquire that compacts (slides three copies, two of
+//                               <MiB>), timed; meanwhile another thread acquires and releases a
+//                               host tensor: other_max_us is its slowest acquire+release (what
+//                               the compaction held it up), other_ops how many it did
 // NVMe files go to $STRATA_BENCH_DIR (default /var/tmp).
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <string>
+#include <thread>
 
+#include "strata/base/units.h"
 #include "strata/io/file.h"
 #include "strata/io/io_engine.h"
 #include "strata/io/pages.h"
-#include "strata/base/units.h"
 #include "strata/runtime/runtime.h"
 
 namespace {
@@ -108,6 +117,59 @@ void BM_NvmeRead(benchmark::State& state) {
   state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * bytes));
 }
 BENCHMARK(BM_NvmeRead)->Arg(256)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+void BM_AcquireDuringCompaction(benchmark::State& state) {
+  using Clock = std::chrono::steady_clock;
+  const std::size_t n = static_cast<std::size_t>(state.range(0)) * MiB;
+  double max_us_sum = 0, ops_sum = 0;
+  for (auto _ : state) {
+    // Device: [a n][b n][c n][small 1 MiB][free n]; a evicted leaves 2n free in two holes, so
+    // placing 2n slides b, c and small down (Note [Compaction without the lock]).
+    RuntimeOptions o = options(4 * n + 1 * MiB, 5 * n + 8 * MiB);
+    o.nvme.paths.clear();
+    o.staging_chunk_bytes = 1 * MiB;
+    o.staging_chunks = 2;
+    Runtime rt(o);
+    const auto make = [&](const char* name, std::size_t bytes, Tier tier) {
+      TensorDesc d;
+      d.name = name;
+      d.bytes = bytes;
+      return rt.create_tensor(d, tier);
+    };
+    const TensorId a = make("a", n, Tier::Host), b = make("b", n, Tier::Host),
+                   c = make("c", n, Tier::Host), small = make("small", 1 * MiB, Tier::Host);
+    for (TensorId t : {a, b, c, small})
+      rt.acquire(t, Tier::Device, Access::Read).get().wait();
+    rt.evict(a, Tier::Device);
+    const TensorId big = make("big", 2 * n, Tier::Host);
+    const TensorId other = make("other", 4 * KiB, Tier::Host);
+    std::atomic<bool> done{false};
+    double max_us = 0;
+    double ops = 0;
+    std::thread reader([&] {
+      while (!done.load(std::memory_order_acquire)) {
+        const auto t0 = Clock::now();
+        { Lease l = rt.acquire(other, Tier::Host, Access::Read).get(); }
+        max_us =
+            std::max(max_us, std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+        ops += 1;
+      }
+    });
+    const auto start = Clock::now();
+    Lease l = rt.acquire(big, Tier::Device, Access::Read).get();
+    l.wait();
+    state.SetIterationTime(std::chrono::duration<double>(Clock::now() - start).count());
+    done.store(true, std::memory_order_release);
+    reader.join();
+    if (rt.tier_stats(Tier::Device).compactions < 3) state.SkipWithError("no compaction ran");
+    max_us_sum += max_us;
+    ops_sum += ops;
+  }
+  state.counters["other_max_us"] = max_us_sum / static_cast<double>(state.iterations());
+  state.counters["other_ops"] = ops_sum / static_cast<double>(state.iterations());
+  state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(2 * n + 1 * MiB));
+}
+BENCHMARK(BM_AcquireDuringCompaction)->Arg(256)->Unit(benchmark::kMillisecond)->UseManualTime();
 
 }  // namespace
 

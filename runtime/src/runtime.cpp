@@ -305,11 +305,17 @@ void Runtime::write(TensorId id, const void* src, std::size_t bytes) {
   else if (t.copies[idx(Tier::Host)].has_space())
     tier = Tier::Host;
   Copy& c = t.copies[idx(tier)];
-  rt.settled.wait(lock, [&] {
+  const auto settled = [&] {
     return c.pins == 0 && c.state != CopyState::Loading && c.state != CopyState::Evicting;
-  });
-  if (tier == Tier::Nvme && c.mapped) rt.free_space(t, Tier::Nvme);  // never write a model
-  rt.make_room(lock, t, tier);
+  };
+  for (;;) {
+    rt.settled.wait(lock, settled);
+    if (tier == Tier::Nvme && c.mapped) rt.free_space(t, Tier::Nvme);  // never write a model
+    rt.make_room(lock, t, tier);
+    if (settled()) break;  // make_room may have released the lock: look again
+  }
+  for (const Copy& other : t.copies)  // leased while make_room had the lock released
+    STRATA_EXPECTS(other.leases == 0, "write into \"", t.desc.name, "\": it is leased");
   ++c.pins;
   c.state = CopyState::Loading;
   lock.unlock();

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cstdio>
 #include <cstring>
 #include <future>
 #include <random>
@@ -95,6 +96,71 @@ thread_local bool HoldWriteBack::held = false;
 // the same device -> host move must join that move, not start a second one into the host copy:
 // the second copy would land in bytes the lease already reads or writes (what ThreadSanitizer
 // saw in the ZeRO-Offload example: Adam reading a gradient while the d2h stream rewrote it).
+// Note [Compaction without the lock]: while a copy slides down, readers keep asking for it (a
+// lease, read()) and for its neighbour; every lease and read sees the tensor's bytes, wherever
+// they are at that moment.
+TEST(RuntimeConcurrency, CopiesSlidingDownWithoutTheLockKeepTheirBytesForEveryReader) {
+  TempDir dir;
+  Budgets b;
+  b.device = 512 * KiB;
+  b.host = 2 * MiB;
+  Runtime rt(small_options(dir.path(), b));
+  constexpr int kRounds = 30;
+  std::atomic<int> wrong{0}, oom{0};
+  int big_refused = 0;
+  for (int round = 0; round < kRounds; ++round) {
+    std::vector<TensorId> t;
+    std::vector<std::vector<unsigned char>> data;
+    for (int i = 0; i < 4; ++i) {
+      data.push_back(pattern(128 * KiB, 100 * round + i));
+      t.push_back(rt.create_tensor(desc("t" + std::to_string(i), 128 * KiB), Tier::Host,
+                                   data.back().data()));
+      rt.acquire(t[i], Tier::Device, Access::Read).get().wait();
+    }
+    rt.evict(t[0], Tier::Device);
+    rt.evict(t[2], Tier::Device);  // 256 KiB free in two holes: placing 256 KiB compacts
+    const auto big_data = pattern(256 * KiB, 100 * round + 50);
+    const TensorId big = rt.create_tensor(desc("big", 256 * KiB), Tier::Host, big_data.data());
+    std::atomic<bool> done{false};
+    const auto reader = [&](int i, bool leases) {
+      std::vector<unsigned char> out(128 * KiB);
+      while (!done.load()) {
+        try {
+          if (leases) {
+            Lease l = rt.acquire(t[i], Tier::Device, Access::Read).get();
+            if (leased_bytes(l) != data[i]) wrong.fetch_add(1);
+          } else {
+            rt.read(t[i], out.data(), out.size());
+            if (out != data[i]) wrong.fetch_add(1);
+          }
+        } catch (const OutOfMemoryError&) {
+          oom.fetch_add(1);  // big and both readers' copies may not fit at once
+        }
+      }
+    };
+    std::thread r1(reader, 1, true), r3(reader, 3, true), read1(reader, 1, false);
+    try {
+      Lease l = rt.acquire(big, Tier::Device, Access::Read).get();
+      if (leased_bytes(l) != big_data) wrong.fetch_add(1);
+    } catch (const OutOfMemoryError&) {
+      ++big_refused;  // both neighbours leased at that moment: nothing could slide
+    }
+    done.store(true);
+    r1.join();
+    r3.join();
+    read1.join();
+    for (TensorId id : t)
+      rt.destroy_tensor(id);
+    rt.destroy_tensor(big);
+  }
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_GT(rt.tier_stats(Tier::Device).compactions, 0u);
+  EXPECT_LT(big_refused, kRounds);
+  std::printf("compactions %llu, big refused %d of %d, reader OOMs %d\n",
+              static_cast<unsigned long long>(rt.tier_stats(Tier::Device).compactions), big_refused,
+              kRounds, oom.load());
+}
+
 TEST(RuntimeConcurrency, AWriteBackJoinsTheMoveAlreadyLandingInItsTarget) {
   TempDir dir;
   Budgets b;

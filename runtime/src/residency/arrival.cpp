@@ -90,7 +90,7 @@ bool Runtime::Impl::prefetch_replacing(std::unique_lock<std::mutex>& lock, Tenso
   }
   Copy& d = t.copies[idx(Tier::Device)];
   const Tier src = source_for(t, Tier::Device);
-  if (!place(t, Tier::Device)) {
+  if (!try_alloc(t, Tier::Device)) {
     // Free blocks and the replaceable copies' blocks, by address.
     const std::size_t need = align_up(t.desc.bytes, tunables::kDeviceAlignment);
     std::map<std::byte*, std::pair<std::size_t, TensorState*>> parts;  // start -> (bytes, copy)

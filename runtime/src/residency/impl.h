@@ -153,16 +153,15 @@ struct Runtime::Impl {
   void free_space(TensorState& t, Tier tier);
   std::vector<TensorState*> evictable(Tier tier, const TensorState& exclude);
   [[noreturn]] void out_of_memory(Tier tier, const TensorState& t);
-  // Slides unleased copies down into the holes before them until a block of `bytes` exists.
-  bool compact(Tier tier, std::uint64_t bytes);
-  // Places t's copy on `tier` from free space, compacting when the free bytes would hold it but
-  // no free block does; false when only evictions can make room.
-  bool place(TensorState& t, Tier tier);
-  // Makes space for t's copy on `tier`; may evict (with write-backs) and block.
+  // Note [Compaction without the lock]: slides one unleased copy down into the hole before it,
+  // copying with the lock released. False when no copy can slide.
+  bool compact(std::unique_lock<std::mutex>& lock, Tier tier);
+  // Makes space for t's copy on `tier`: a free block, else compaction when the free bytes would
+  // hold it, else evictions (with write-backs). Blocks; may release the lock.
   void make_room(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier);
-  // Runtime::stage: room for t's copy on `tier` from free space, compaction, or clean copies the
-  // policy ranks before t itself (t is shown to it as a candidate: if it would go first, the
-  // staging would evict something needed sooner). Never writes back, never waits.
+  // Runtime::stage: room for t's copy on `tier` from a free block or clean copies the policy
+  // ranks before t itself (t is shown to it as a candidate: if it would go first, the staging
+  // would evict something needed sooner). Never writes back, compacts or waits.
   bool stage(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier);
   // Drops t's copy on `tier`, writing it back below first when it is dirty. Blocks.
   void evict_copy(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier);

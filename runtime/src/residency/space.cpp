@@ -112,15 +112,24 @@ void Runtime::Impl::out_of_memory(Tier tier, const TensorState& t) {
                      ")"));
 }
 
-bool Runtime::Impl::compact(Tier tier, std::uint64_t bytes) {
+// Note [Compaction without the lock]: a copy slides down into the hole before it while the
+// lock is released, so a large host copy (10 ms and more) does not stop every acquire, release
+// and I/O completion meanwhile. Before unlocking, the hole is allocated (and the old block stays
+// allocated), and the copy becomes Loading, not ready, and pinned: no lease goes out on it (a
+// LeaseFuture waits for ready, and gets the new address), no eviction, write, discard or move
+// takes it, and nothing else is placed over either block. After the copy, under the lock, the
+// two blocks become the one at the hole. Callers re-check whatever they decided before.
+bool Runtime::Impl::compact(std::unique_lock<std::mutex>& lock, Tier tier) {
   MemoryPool* p = pool(tier);
+  if (p == nullptr) return false;
   std::map<std::byte*, TensorState*> by_address;
   for (auto& [id, t] : tensors)
     if (t->copies[idx(tier)].ptr != nullptr) by_address.emplace(t->copies[idx(tier)].ptr, t.get());
-  bool moved = false;
   for (auto& [addr, t] : by_address) {
     Copy& c = t->copies[idx(tier)];
-    if (c.leases > 0 || c.pins > 0 || c.state != CopyState::Valid) continue;
+    if (c.leases > 0 || c.pins > 0 || c.state != CopyState::Valid || c.claimed_by != 0 ||
+        arrivals.contains(t->id))
+      continue;
     // The free block that ends where this copy starts, if any.
     std::byte* gap = nullptr;
     for (const auto& [fp, fb] : p->free_blocks())
@@ -129,35 +138,56 @@ bool Runtime::Impl::compact(Tier tier, std::uint64_t bytes) {
     const std::size_t size =
         align_up(t->desc.bytes, tier == Tier::Host ? kPageBytes : tunables::kDeviceAlignment);
     const std::size_t step = static_cast<std::size_t>(c.ptr - gap);  // no chunk overlaps
+    const bool overlap = step < size;
     std::byte* old = c.ptr;
-    p->deallocate(old);
-    if (!p->allocate_at(gap, size)) {  // cannot happen: [gap, old + size) is free
+    if (!p->allocate_at(gap, overlap ? step : size))  // cannot happen: [gap, old) is free
       STRATA_FAIL(Errc::internal, "compaction lost a block on tier ", to_string(tier));
+    c.state = CopyState::Loading;
+    c.ready = false;
+    ++c.pins;
+    TensorState& moving = *t;
+    lock.unlock();
+    std::exception_ptr error;
+    try {
+      const CopyKind kind = tier == Tier::Device ? CopyKind::DeviceToDevice : CopyKind::HostToHost;
+      for (std::size_t at = 0; at < size; at += step)
+        backend->copy(gap + at, old + at, std::min(step, size - at), kind);
+    } catch (...) {
+      error = std::current_exception();
     }
-    const CopyKind kind = tier == Tier::Device ? CopyKind::DeviceToDevice : CopyKind::HostToHost;
-    for (std::size_t at = 0; at < size; at += step)
-      backend->copy(gap + at, old + at, std::min(step, size - at), kind);
-    c.ptr = gap;
-    notify([&](Observer& o) { o.compacted(t->id, t->desc.bytes, tier); });
-    moved = true;
-    if (p->stats().largest_free_bytes >= bytes) break;
+    lock.lock();
+    Copy& now = moving.copies[idx(tier)];
+    if (error) {
+      p->deallocate(gap);  // the old block still holds the bytes
+    } else {
+      p->deallocate(old);
+      if (overlap) {
+        p->deallocate(gap);
+        if (!p->allocate_at(gap, size))  // cannot happen: [gap, old + size) is free
+          STRATA_FAIL(Errc::internal, "compaction lost a block on tier ", to_string(tier));
+      }
+      now.ptr = gap;
+      now.event.reset();
+      notify([&](Observer& o) { o.compacted(moving.id, moving.desc.bytes, tier); });
+    }
+    now.state = CopyState::Valid;
+    now.ready = true;
+    unpin(now);
+    ready_cv.notify_all();
+    if (error) std::rethrow_exception(error);
+    return true;
   }
-  return moved;
-}
-
-bool Runtime::Impl::place(TensorState& t, Tier tier) {
-  for (;;) {
-    if (try_alloc(t, tier)) return true;
-    MemoryPool* p = pool(tier);
-    if (p == nullptr || p->stats().free_bytes < align_up(t.desc.bytes, kPageBytes) ||
-        !compact(tier, t.desc.bytes))
-      return false;
-  }
+  return false;
 }
 
 void Runtime::Impl::make_room(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier) {
   for (;;) {
-    if (place(t, tier)) return;
+    if (try_alloc(t, tier)) return;
+    // Free bytes that would hold it, in holes: slide a copy down (without the lock), look again.
+    if (MemoryPool* p = pool(tier); p != nullptr &&
+                                    p->stats().free_bytes >= align_up(t.desc.bytes, kPageBytes) &&
+                                    compact(lock, tier))
+      continue;
     // Copies still landing are shown to the policy too: if it would rather evict one of those,
     // wait for it to land; otherwise evict its choice now, without waiting for the link.
     auto candidates = evictable(tier, t);
@@ -206,7 +236,7 @@ bool Runtime::Impl::stage(std::unique_lock<std::mutex>& lock, TensorState& t, Ti
     below_current = below_current || t.current(static_cast<Tier>(i));
   if (!below_current) return false;
   for (;;) {
-    if (place(t, tier)) break;
+    if (try_alloc(t, tier)) break;
     auto candidates = evictable(tier, t);
     std::erase_if(candidates, [&](TensorState* c) { return dirty(*c, tier); });
     if (candidates.empty()) return false;
