@@ -404,6 +404,75 @@ TEST_F(RuntimeTest, CompactsInsteadOfEvictingWhenFreeBytesSuffice) {
   }
 }
 
+// Note [Making room]: a dirty device victim needs room on the host, whose own dirty victim
+// needs room on NVMe: written back bottom first, nothing lost.
+TEST_F(RuntimeTest, AWriteBackThatNeedsRoomBelowWritesBackThereFirst) {
+  auto rt = make();  // device 512 KiB; host 768 KiB after 4 x 64 KiB of staging
+  std::vector<TensorId> host, device;
+  std::vector<std::vector<unsigned char>> host_data, device_data;
+  for (int i = 0; i < 3; ++i) {  // the host's only copies: dirty there
+    host_data.push_back(pattern(256 * KiB, 20 + i));
+    host.push_back(rt->create_tensor(desc("h" + std::to_string(i), 256 * KiB), Tier::Host,
+                                     host_data.back().data()));
+  }
+  for (int i = 0; i < 2; ++i) {  // the device's only copies
+    device_data.push_back(pattern(256 * KiB, 30 + i));
+    device.push_back(rt->create_tensor(desc("d" + std::to_string(i), 256 * KiB), Tier::Device,
+                                       device_data.back().data()));
+  }
+  const auto x_data = pattern(256 * KiB, 40);
+  const TensorId x = rt->create_tensor(desc("x", 256 * KiB), Tier::Nvme, x_data.data());
+  {
+    Lease l = rt->acquire(x, Tier::Device, Access::Read).get();
+    EXPECT_EQ(leased_bytes(l), x_data);
+  }
+  EXPECT_EQ(rt->tier_stats(Tier::Device).write_backs, 1u);
+  EXPECT_EQ(rt->tier_stats(Tier::Host).write_backs, 1u);
+  EXPECT_TRUE(rt->resident(device[0], Tier::Host));  // kept on the host
+  EXPECT_FALSE(rt->resident(device[0], Tier::Device));
+  EXPECT_TRUE(rt->resident(host[0], Tier::Nvme));  // made room for it
+  EXPECT_FALSE(rt->resident(host[0], Tier::Host));
+  for (int i = 0; i < 3; ++i)
+    EXPECT_EQ(contents(*rt, host[i]), host_data[i]) << "h" << i;
+  for (int i = 0; i < 2; ++i)
+    EXPECT_EQ(contents(*rt, device[i]), device_data[i]) << "d" << i;
+}
+
+// When the host cannot take a device victim (everything there is leased), its write-back goes
+// straight to NVMe; the host's copies stay where they are.
+TEST_F(RuntimeTest, AWriteBackTheHostCannotTakeGoesStraightToNvme) {
+  auto rt = make();
+  std::vector<TensorId> host;
+  std::vector<Lease> held;
+  for (int i = 0; i < 3; ++i) {
+    host.push_back(rt->create_tensor(desc("h" + std::to_string(i), 256 * KiB), Tier::Host));
+    held.push_back(rt->acquire(host[i], Tier::Host, Access::Read).get());
+  }
+  std::vector<TensorId> device;
+  std::vector<std::vector<unsigned char>> device_data;
+  for (int i = 0; i < 2; ++i) {
+    device_data.push_back(pattern(256 * KiB, 50 + i));
+    device.push_back(rt->create_tensor(desc("d" + std::to_string(i), 256 * KiB), Tier::Device,
+                                       device_data.back().data()));
+  }
+  const auto x_data = pattern(256 * KiB, 60);
+  const TensorId x = rt->create_tensor(desc("x", 256 * KiB), Tier::Nvme, x_data.data());
+  {
+    Lease l = rt->acquire(x, Tier::Device, Access::Read).get();
+    EXPECT_EQ(leased_bytes(l), x_data);
+  }
+  EXPECT_EQ(rt->tier_stats(Tier::Device).write_backs, 1u);
+  EXPECT_EQ(rt->tier_stats(Tier::Host).write_backs, 0u);
+  EXPECT_EQ(rt->transfer_stats().bytes_device_to_nvme, 256 * KiB);
+  EXPECT_TRUE(rt->resident(device[0], Tier::Nvme));
+  EXPECT_FALSE(rt->resident(device[0], Tier::Host));
+  for (int i = 0; i < 3; ++i)
+    EXPECT_TRUE(rt->resident(host[i], Tier::Host));
+  held.clear();
+  for (int i = 0; i < 2; ++i)
+    EXPECT_EQ(contents(*rt, device[i]), device_data[i]) << "d" << i;
+}
+
 TEST_F(RuntimeTest, AWorkingSetThatCannotFitNamesTheLeasedTensors) {
   auto rt = make();
   const TensorId a = rt->create_tensor(desc("layer.a", 256 * KiB), Tier::Host);

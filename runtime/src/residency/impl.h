@@ -156,17 +156,26 @@ struct Runtime::Impl {
   // Note [Compaction without the lock]: slides one unleased copy down into the hole before it,
   // copying with the lock released. False when no copy can slide.
   bool compact(std::unique_lock<std::mutex>& lock, Tier tier);
-  // Makes space for t's copy on `tier`: a free block, else compaction when the free bytes would
-  // hold it, else evictions (with write-backs). Blocks; may release the lock.
-  void make_room(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier);
   // Runtime::stage: room for t's copy on `tier` from a free block or clean copies the policy
   // ranks before t itself (t is shown to it as a candidate: if it would go first, the staging
   // would evict something needed sooner). Never writes back, compacts or waits.
   bool stage(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier);
-  // Drops t's copy on `tier`, writing it back below first when it is dirty. Blocks.
+
+  // ---- room.cpp (Note [Making room]; lock held) ----
+
+  // Makes space for t's copy on `tier`: a free block, else compaction when the free bytes would
+  // hold it, else evictions (dirty victims written back first). Blocks; may release the lock.
+  void make_room(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier);
+  // Drops t's copy on `tier`, writing it back below first when it is dirty (to the host, or to
+  // NVMe when the host cannot take it). Blocks; may release the lock.
   void evict_copy(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier);
-  // Writes t's newest copy on `tier` to the tier below (Host, or Nvme when the host is full).
-  void write_back(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier);
+  struct RoomFrame;
+  // Runs the frames until none is left; on an error, undoes them (unwind) and rethrows.
+  void run_frames(std::unique_lock<std::mutex>& lock, std::vector<RoomFrame>& frames);
+  // Pops frames down to `keep`, each marked victim Valid again (still dirty, still there).
+  void unwind(std::vector<RoomFrame>& frames, std::size_t keep);
+  void room_step(std::unique_lock<std::mutex>& lock, std::vector<RoomFrame>& frames);
+  void evict_step(std::unique_lock<std::mutex>& lock, std::vector<RoomFrame>& frames);
 
   // ---- arrival.cpp (Note [Arrival in pieces]; lock held) ----
 

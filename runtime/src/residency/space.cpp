@@ -1,6 +1,7 @@
-// Per-tier space: allocating and freeing a copy's block, compaction, and making room by
-// eviction (the policy picks the victims; dirty ones are written back first). Starts a move only
-// to write a victim back (write_back) or to stage a tensor (stage).
+// Per-tier space: allocating and freeing a copy's block, compaction (Note [Compaction without
+// the lock]), the copies that may be evicted, the out-of-memory error that names what holds the
+// tier, and staging (room from free space and clean copies only). Making room with write-backs
+// is room.cpp. Starts a move only to stage a tensor.
 
 #include <algorithm>
 #include <cstring>
@@ -180,50 +181,6 @@ bool Runtime::Impl::compact(std::unique_lock<std::mutex>& lock, Tier tier) {
   return false;
 }
 
-void Runtime::Impl::make_room(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier) {
-  for (;;) {
-    if (try_alloc(t, tier)) return;
-    // Free bytes that would hold it, in holes: slide a copy down (without the lock), look again.
-    if (MemoryPool* p = pool(tier); p != nullptr &&
-                                    p->stats().free_bytes >= align_up(t.desc.bytes, kPageBytes) &&
-                                    compact(lock, tier))
-      continue;
-    // Copies still landing are shown to the policy too: if it would rather evict one of those,
-    // wait for it to land; otherwise evict its choice now, without waiting for the link.
-    auto candidates = evictable(tier, t);
-    std::vector<TensorState*> landing;
-    for (auto& [id, o] : tensors) {
-      const Copy& c = o->copies[idx(tier)];
-      if (o.get() != &t && c.state == CopyState::Loading && c.leases == 0 && c.pins == 0)
-        landing.push_back(o.get());
-    }
-    if (!candidates.empty()) {
-      std::vector<EvictionCandidate> view;
-      for (TensorState* c : candidates)
-        view.push_back({c->id, c->desc.bytes, c->copies[idx(tier)].last_use, dirty(*c, tier)});
-      for (TensorState* c : landing)
-        view.push_back({c->id, c->desc.bytes, c->copies[idx(tier)].last_use, false});
-      const std::size_t pick = policy->choose(tier, view);
-      if (pick >= candidates.size()) {
-        room.wait(lock);  // the policy's victim is still landing
-        continue;
-      }
-      evict_copy(lock, *candidates[pick], tier);
-      continue;
-    }
-    // Copies still arriving become evictable once they land; wait for them, else give up.
-    bool arriving = false;
-    for (auto& [id, o] : tensors) {
-      const Copy& c = o->copies[idx(tier)];
-      if (o.get() != &t && c.leases == 0 &&
-          (c.state == CopyState::Loading || c.state == CopyState::Evicting || c.pins > 0))
-        arriving = true;
-    }
-    if (!arriving) out_of_memory(tier, t);
-    room.wait(lock);
-  }
-}
-
 bool Runtime::Impl::stage(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier) {
   if (t.discarded) return false;
   for (std::size_t i = 0; i <= idx(tier); ++i) {  // already here, or on a faster tier
@@ -252,64 +209,6 @@ bool Runtime::Impl::stage(std::unique_lock<std::mutex>& lock, TensorState& t, Ti
   t.copies[idx(tier)].last_use = ++clock;
   run_after_unlock(lock);
   return true;
-}
-
-void Runtime::Impl::evict_copy(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier) {
-  Copy& c = t.copies[idx(tier)];
-  if (dirty(t, tier)) {
-    c.state = CopyState::Evicting;
-    ++c.pins;
-    try {
-      write_back(lock, t, tier);
-    } catch (...) {
-      c.state = CopyState::Valid;  // still dirty, still here: nothing lost
-      unpin(c);
-      on_gone();
-      throw;
-    }
-    unpin(c);
-    // Moves that took this copy as their source while it was written back finish first.
-    unpinned.wait(lock, [&] { return c.pins == 0; });
-  }
-  notify([&](Observer& o) { o.evicted(t.id, t.desc.bytes, tier); });
-  free_space(t, tier);
-  on_gone();
-}
-
-void Runtime::Impl::write_back(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier) {
-  Tier target;
-  for (;;) {
-    target = *below(tier);
-    if (target == Tier::Host && swap) {
-      // Prefer keeping a host copy; go straight to NVMe when the host cannot take it.
-      try {
-        make_room(lock, t, Tier::Host);
-      } catch (const OutOfMemoryError&) {
-        target = Tier::Nvme;
-      }
-    }
-    Copy& dst = t.copies[idx(target)];
-    if (target == Tier::Nvme && dst.mapped) free_space(t, Tier::Nvme);  // never write a model
-    make_room(lock, t, target);
-    // Note [One move into a copy]: make_room may have waited with the lock released, and a
-    // lease or prefetch may meanwhile have started (or finished) this very move into `dst`.
-    if (dst.state == CopyState::Loading || dst.state == CopyState::Evicting) {
-      settled.wait(lock);
-      continue;
-    }
-    if (!dirty(t, tier)) {  // that move landed (or a write lease below made this one stale)
-      if (dst.state == CopyState::Absent && dst.leases == 0 && dst.pins == 0)
-        free_space(t, target);  // the room made for it
-      return;
-    }
-    break;
-  }
-  Copy& dst = t.copies[idx(target)];
-  start_load(lock, t, target, tier);
-  run_after_unlock(lock);
-  settled.wait(lock, [&] { return dst.state != CopyState::Loading; });
-  if (dst.error) std::rethrow_exception(dst.error);
-  notify([&](Observer& o) { o.written_back(t.id, t.desc.bytes, tier); });
 }
 
 }  // namespace strata

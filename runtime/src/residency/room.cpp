@@ -1,0 +1,220 @@
+// Making room (Note [Making room]): space for a copy on a tier, found by an explicit loop over a
+// stack of frames that picks victims, drops clean ones and writes dirty ones back to the tier
+// below before dropping them. The policy (eviction_policies.cpp) picks; space.cpp allocates,
+// frees and compacts; the write-backs are moves (moves.cpp). Blocks, releasing the lock while
+// it waits.
+
+#include <string>
+#include <vector>
+
+#include "impl.h"
+#include "strata/base/error.h"
+#include "strata/base/units.h"
+#include "strata/io/pages.h"
+
+namespace strata {
+
+using namespace residency;  // NOLINT(google-build-using-namespace): the core's own records
+
+// Note [Making room]
+// ~~~~~~~~~~~~~~~~~~
+// Room on a tier may need a victim evicted, and a dirty victim needs room on the tier below
+// for its write-back, which may need a victim there, and so on down. This is one loop over a
+// stack of frames, not functions calling each other:
+//   Room{t, tier}    find space for t's copy on `tier`: a free block, else compaction, else a
+//                    victim the policy picks (an Evict frame on top), else wait for copies
+//                    still landing, else out of memory.
+//   Evict{t, tier}   drop t's copy on `tier`. A dirty copy is marked Evicting and pinned, a
+//                    target below is chosen (the host, or NVMe when the host cannot take it),
+//                    room is made there (a Room frame on top), the write-back runs, and then the
+//                    copy goes.
+// The frame on top is the one that can move next; the stack is at most five frames deep (room
+// on the device, a device victim, room on the host, a host victim, room on NVMe). An error
+// unwinds it: each victim marked Evicting is Valid again, still dirty and still there, so
+// nothing is lost. One error is caught on the way: out of memory while making room on the host
+// for a write-back makes that write-back go straight to NVMe (if there is NVMe).
+struct Runtime::Impl::RoomFrame {
+  enum class Kind : std::uint8_t { Room, Evict };
+  // An Evict frame's progress.
+  enum class Stage : std::uint8_t { Start, ChooseTarget, RoomMade, Drop };
+  Kind kind;
+  TensorState* t;
+  Tier tier;
+  Stage stage = Stage::Start;
+  Tier target = Tier::Host;
+  bool marked = false;     // Evicting and pinned by this frame
+  bool host_room = false;  // a Room frame for the host is on top of this one, NVMe behind it
+};
+
+void Runtime::Impl::make_room(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier) {
+  std::vector<RoomFrame> frames;
+  frames.push_back({RoomFrame::Kind::Room, &t, tier});
+  run_frames(lock, frames);
+}
+
+void Runtime::Impl::evict_copy(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier) {
+  std::vector<RoomFrame> frames;
+  frames.push_back({RoomFrame::Kind::Evict, &t, tier});
+  run_frames(lock, frames);
+}
+
+void Runtime::Impl::run_frames(std::unique_lock<std::mutex>& lock, std::vector<RoomFrame>& frames) {
+  while (!frames.empty()) {
+    try {
+      if (frames.back().kind == RoomFrame::Kind::Room)
+        room_step(lock, frames);
+      else
+        evict_step(lock, frames);
+    } catch (const OutOfMemoryError&) {
+      // The nearest write-back that was making room on the host goes to NVMe instead; the
+      // frames above it are undone. Without one, everything is undone.
+      std::size_t k = frames.size();
+      while (k > 0 && !frames[k - 1].host_room)
+        --k;
+      if (k == 0) {
+        unwind(frames, 0);
+        throw;
+      }
+      unwind(frames, k);
+      RoomFrame& f = frames.back();
+      f.host_room = false;
+      f.target = Tier::Nvme;
+      if (f.t->copies[idx(Tier::Nvme)].mapped) free_space(*f.t, Tier::Nvme);  // never a model
+      frames.push_back({RoomFrame::Kind::Room, f.t, Tier::Nvme});
+    } catch (...) {
+      unwind(frames, 0);
+      throw;
+    }
+  }
+}
+
+void Runtime::Impl::unwind(std::vector<RoomFrame>& frames, std::size_t keep) {
+  while (frames.size() > keep) {
+    RoomFrame& f = frames.back();
+    if (f.marked) {
+      Copy& c = f.t->copies[idx(f.tier)];
+      c.state = CopyState::Valid;  // still dirty, still here: nothing lost
+      unpin(c);
+      on_gone();
+    }
+    frames.pop_back();
+  }
+}
+
+void Runtime::Impl::room_step(std::unique_lock<std::mutex>& lock, std::vector<RoomFrame>& frames) {
+  const RoomFrame f = frames.back();
+  TensorState& t = *f.t;
+  const Tier tier = f.tier;
+  if (try_alloc(t, tier)) {
+    frames.pop_back();
+    return;
+  }
+  // Free bytes that would hold it, in holes: slide a copy down (without the lock), look again.
+  if (MemoryPool* p = pool(tier); p != nullptr &&
+                                  p->stats().free_bytes >= align_up(t.desc.bytes, kPageBytes) &&
+                                  compact(lock, tier))
+    return;
+  // Copies still landing are shown to the policy too: if it would rather evict one of those,
+  // wait for it to land; otherwise evict its choice now, without waiting for the link.
+  auto candidates = evictable(tier, t);
+  std::vector<TensorState*> landing;
+  for (auto& [id, o] : tensors) {
+    const Copy& c = o->copies[idx(tier)];
+    if (o.get() != &t && c.state == CopyState::Loading && c.leases == 0 && c.pins == 0)
+      landing.push_back(o.get());
+  }
+  if (!candidates.empty()) {
+    std::vector<EvictionCandidate> view;
+    for (TensorState* c : candidates)
+      view.push_back({c->id, c->desc.bytes, c->copies[idx(tier)].last_use, dirty(*c, tier)});
+    for (TensorState* c : landing)
+      view.push_back({c->id, c->desc.bytes, c->copies[idx(tier)].last_use, false});
+    const std::size_t pick = policy->choose(tier, view);
+    if (pick >= candidates.size()) {
+      room.wait(lock);  // the policy's victim is still landing
+      return;
+    }
+    frames.push_back({RoomFrame::Kind::Evict, candidates[pick], tier});
+    return;
+  }
+  // Copies still arriving become evictable once they land; wait for them, else give up.
+  bool arriving = false;
+  for (auto& [id, o] : tensors) {
+    const Copy& c = o->copies[idx(tier)];
+    if (o.get() != &t && c.leases == 0 &&
+        (c.state == CopyState::Loading || c.state == CopyState::Evicting || c.pins > 0))
+      arriving = true;
+  }
+  if (!arriving) out_of_memory(tier, t);
+  room.wait(lock);
+}
+
+void Runtime::Impl::evict_step(std::unique_lock<std::mutex>& lock, std::vector<RoomFrame>& frames) {
+  RoomFrame& f = frames.back();
+  TensorState& t = *f.t;
+  Copy& c = t.copies[idx(f.tier)];
+  switch (f.stage) {
+    case RoomFrame::Stage::Start:
+      if (!dirty(t, f.tier)) {
+        f.stage = RoomFrame::Stage::Drop;
+        return;
+      }
+      c.state = CopyState::Evicting;
+      ++c.pins;
+      f.marked = true;
+      f.stage = RoomFrame::Stage::ChooseTarget;
+      return;
+    case RoomFrame::Stage::ChooseTarget: {
+      // The host when it can take the copy (kept, the next load is cheap), else NVMe.
+      f.target = *below(f.tier);
+      f.host_room = f.target == Tier::Host && swap != nullptr;
+      if (f.target == Tier::Nvme && t.copies[idx(Tier::Nvme)].mapped)
+        free_space(t, Tier::Nvme);  // never write a model
+      f.stage = RoomFrame::Stage::RoomMade;
+      const RoomFrame room_below{RoomFrame::Kind::Room, &t, f.target};
+      frames.push_back(room_below);  // invalidates f
+      return;
+    }
+    case RoomFrame::Stage::RoomMade: {
+      f.host_room = false;
+      Copy& dst = t.copies[idx(f.target)];
+      // Note [One move into a copy]: making room may have waited with the lock released, and a
+      // lease or prefetch may meanwhile have started (or finished) this very move into `dst`.
+      if (dst.state == CopyState::Loading || dst.state == CopyState::Evicting) {
+        settled.wait(lock);
+        f.stage = RoomFrame::Stage::ChooseTarget;
+        return;
+      }
+      if (!dirty(t, f.tier)) {  // that move landed (or a write lease below made this one stale)
+        if (dst.state == CopyState::Absent && dst.leases == 0 && dst.pins == 0)
+          free_space(t, f.target);  // the room made for it
+        f.stage = RoomFrame::Stage::Drop;
+        return;
+      }
+      const Tier from = f.tier, target = f.target;
+      start_load(lock, t, target, from);
+      run_after_unlock(lock);
+      settled.wait(lock, [&] { return dst.state != CopyState::Loading; });
+      if (dst.error) std::rethrow_exception(dst.error);
+      notify([&](Observer& o) { o.written_back(t.id, t.desc.bytes, from); });
+      frames.back().stage = RoomFrame::Stage::Drop;
+      return;
+    }
+    case RoomFrame::Stage::Drop: {
+      if (f.marked) {
+        f.marked = false;
+        unpin(c);
+        // Moves that took this copy as their source while it was written back finish first.
+        unpinned.wait(lock, [&] { return c.pins == 0; });
+      }
+      const Tier tier = f.tier;
+      frames.pop_back();
+      notify([&](Observer& o) { o.evicted(t.id, t.desc.bytes, tier); });
+      free_space(t, tier);
+      on_gone();
+      return;
+    }
+  }
+}
+
+}  // namespace strata
