@@ -40,7 +40,7 @@ int main(int argc, char** argv) {
   char config[1024];
   snprintf(config, sizeof config,
            "{\"backend\": \"auto\", \"device_budget\": \"4MiB\", \"host_budget\": \"8MiB\","
-           " \"staging_chunk\": \"1MiB\", \"io\": {\"block_size\": \"1MiB\"},"
+           " \"staging_chunk\": \"1MiB\", \"io\": {\"block\": \"1MiB\"},"
            " \"nvme\": {\"paths\": [\"%s\"], \"capacity\": \"64MiB\"}}", nvme);
   strata_runtime* rt = NULL;
   if (check(strata_runtime_create(config, &rt), "strata_runtime_create")) return 1;

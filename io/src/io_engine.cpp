@@ -70,7 +70,7 @@ FaultSpec parse_fault(std::string_view text, std::string_view key) {
 
 void IoOptions::validate() const {
   STRATA_EXPECTS(block_size >= kPageBytes && block_size <= GiB && block_size % kPageBytes == 0,
-                 "io.block_size: ", block_size,
+                 "io.block: ", block_size,
                  " bytes is not a multiple of 4 KiB between 4 KiB and 1 GiB");
   STRATA_EXPECTS(queue_depth >= 1 && queue_depth <= 4096, "io.queue_depth: ", queue_depth,
                  " is outside 1..4096");

@@ -19,7 +19,7 @@ namespace strata {
 void SwapOptions::validate() const {
   STRATA_EXPECTS(!paths.empty(), "nvme.paths: no directory given");
   STRATA_EXPECTS(stripe_bytes >= kPageBytes && stripe_bytes % kPageBytes == 0,
-                 "nvme.stripe_bytes: ", stripe_bytes, " is not a positive multiple of 4 KiB");
+                 "nvme.stripe: ", stripe_bytes, " is not a positive multiple of 4 KiB");
   STRATA_EXPECTS(capacity_bytes > 0, "nvme.capacity: must be > 0");
   for (std::size_t i = 0; i < paths.size(); ++i) {
     struct stat st {};

@@ -6,8 +6,8 @@
 #include <nlohmann/json.hpp>
 
 #include "strata/base/error.h"
-#include "strata/io/pages.h"
 #include "strata/base/units.h"
+#include "strata/io/pages.h"
 
 namespace strata {
 
@@ -39,8 +39,8 @@ void RuntimeOptions::validate() const {
     nvme.validate();
     STRATA_EXPECTS(
         nvme.stripe_bytes <= staging_chunk_bytes || nvme.stripe_bytes % staging_chunk_bytes == 0,
-        "nvme.stripe_bytes: ", nvme.stripe_bytes,
-        " must divide, or be a multiple of, staging_chunk (", staging_chunk_bytes, ")");
+        "nvme.stripe: ", nvme.stripe_bytes, " must divide, or be a multiple of, staging_chunk (",
+        staging_chunk_bytes, ")");
   }
 }
 
@@ -83,6 +83,12 @@ std::string RuntimeOptions::fit_staging_to_budget() {
 namespace {
 
 using nlohmann::json;
+
+// A key renamed to follow the naming rule (README, Configuration): refused, naming the new one.
+[[noreturn]] void renamed(const std::string& key, const char* now) {
+  STRATA_FAIL(Errc::invalid_argument, key, ": renamed ", now,
+              " (a size is named for what it sizes; its value carries the unit)");
+}
 
 std::uint64_t size_of(const json& v, const std::string& key) {
   if (v.is_number_unsigned()) return v.get<std::uint64_t>();
@@ -177,13 +183,15 @@ RuntimeOptions RuntimeOptions::from_json(std::string_view text) {
             o.nvme.paths.push_back(string_of(p, name));
         } else if (k == "capacity") {
           o.nvme.capacity_bytes = size_of(x, name);
-        } else if (k == "stripe_bytes") {
+        } else if (k == "stripe") {
           o.nvme.stripe_bytes = size_of(x, name);
+        } else if (k == "stripe_bytes") {
+          renamed(name, "nvme.stripe");
         } else if (k == "keep_files") {
           o.nvme.keep_files = bool_of(x, name);
         } else {
           STRATA_FAIL(Errc::invalid_argument, name,
-                      ": unknown key (known: paths, capacity, stripe_bytes, keep_files)");
+                      ": unknown key (known: paths, capacity, stripe, keep_files)");
         }
       }
     } else if (key == "io") {
@@ -192,8 +200,10 @@ RuntimeOptions RuntimeOptions::from_json(std::string_view text) {
         const std::string name = "io." + k;
         if (k == "engine")
           o.io.engine = parse_engine_kind(string_of(x, name), name);
-        else if (k == "block_size")
+        else if (k == "block")
           o.io.block_size = size_of(x, name);
+        else if (k == "block_size")
+          renamed(name, "io.block");
         else if (k == "queue_depth")
           o.io.queue_depth = count_of(x, name);
         else if (k == "threads")
@@ -208,7 +218,7 @@ RuntimeOptions RuntimeOptions::from_json(std::string_view text) {
             o.io.faults.push_back(parse_fault(string_of(f, name), name));
         } else {
           STRATA_FAIL(Errc::invalid_argument, name,
-                      ": unknown key (known: engine, block_size, queue_depth, threads, direct, "
+                      ": unknown key (known: engine, block, queue_depth, threads, direct, "
                       "sqpoll, faults)");
         }
       }

@@ -12,9 +12,9 @@ namespace {
 
 std::string config(const std::string& dir) {
   return R"({"backend": "host", "device_budget": "1MiB", "host_budget": "2MiB",
-             "staging_chunk": "64KiB", "io": {"block_size": "64KiB"},
+             "staging_chunk": "64KiB", "io": {"block": "64KiB"},
              "nvme": {"paths": [")" +
-         dir + R"("], "capacity": "16MiB", "stripe_bytes": "64KiB"}, "quiet": true})";
+         dir + R"("], "capacity": "16MiB", "stripe": "64KiB"}, "quiet": true})";
 }
 
 TEST(CApi, MovesTensorsAndReportsErrorsWithMessages) {

@@ -842,8 +842,8 @@ TEST(RuntimeConfig, ParsesTheDocumentedKeys) {
   TempDir dir;
   const auto o = RuntimeOptions::from_json(R"({"backend": "host", "device_budget": "64MiB",
       "host_budget": "256MiB", "link_gbps": 25,
-      "nvme": {"paths": [")" + dir.path() + R"("], "capacity": "1GiB", "stripe_bytes": "1MiB"},
-      "io": {"engine": "posix", "block_size": "1MiB", "queue_depth": 8, "faults": ["read:3:eio"]},
+      "nvme": {"paths": [")" + dir.path() + R"("], "capacity": "1GiB", "stripe": "1MiB"},
+      "io": {"engine": "posix", "block": "1MiB", "queue_depth": 8, "faults": ["read:3:eio"]},
       "checksums": false, "eviction": "farthest_next_use", "trace_events": 1024})");
   EXPECT_EQ(o.backend.kind, BackendKind::Host);
   EXPECT_EQ(o.backend.device_budget_bytes, 64 * MiB);
@@ -868,7 +868,9 @@ TEST(RuntimeConfig, RejectsBadDocumentsNamingTheKey) {
       {R"({"nvme": {"paths": ["/tmp"]}})", "nvme.capacity"},
       {R"({"nvme": {"pathz": ["/tmp"]}})", "nvme.pathz"},
       {R"({"io": {"queue_depth": 0}})", "io.queue_depth"},
-      {R"({"io": {"block_size": "1000"}})", "io.block_size"},
+      {R"({"io": {"block": "1000"}})", "io.block"},
+      {R"({"io": {"block_size": "1MiB"}})", "io.block_size: renamed io.block"},
+      {R"({"nvme": {"stripe_bytes": "1MiB"}})", "nvme.stripe_bytes: renamed nvme.stripe"},
       {R"({"eviction": "random"})", "eviction"},
       {R"({"backend": "gpu"})", "backend"},
       {R"({"link_gbps": -1})", "link_gbps"},

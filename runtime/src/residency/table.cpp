@@ -23,7 +23,7 @@ using namespace residency;  // NOLINT(google-build-using-namespace): the core's 
 Runtime::Impl::Impl(RuntimeOptions o) : options(std::move(o)) {
   options.validate();
   if (const std::string note = options.fit_staging_to_budget(); !note.empty()) {
-    options.validate();  // the shrunk chunk against nvme.stripe_bytes
+    options.validate();  // the shrunk chunk against nvme.stripe
     if (!options.quiet) std::fprintf(stderr, "strata: %s\n", note.c_str());
   }
   options.backend.quiet = options.backend.quiet || options.quiet;
