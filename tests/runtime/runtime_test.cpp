@@ -406,26 +406,37 @@ TEST_F(RuntimeTest, CompactsInsteadOfEvictingWhenFreeBytesSuffice) {
 
 // Note [Making room]: a dirty device victim needs room on the host, whose own dirty victim
 // needs room on NVMe: written back bottom first, nothing lost.
+// `n` tensors of 256 KiB whose only copies are on `tier` (dirty there), named prefix + i.
+struct OnlyCopies {
+  std::vector<TensorId> ids;
+  std::vector<std::vector<unsigned char>> data;
+  OnlyCopies(Runtime& rt, const std::string& prefix, int n, Tier tier, unsigned seed) {
+    for (int i = 0; i < n; ++i) {
+      data.push_back(pattern(256 * KiB, seed + i));
+      ids.push_back(
+          rt.create_tensor(desc(prefix + std::to_string(i), 256 * KiB), tier, data.back().data()));
+    }
+  }
+};
+
+// Fills the device with two dirty copies, then loads a third tensor from NVMe: one device
+// victim must be written back.
+void load_one_more(Runtime& rt, unsigned seed) {
+  const auto x_data = pattern(256 * KiB, seed);
+  const TensorId x = rt.create_tensor(desc("x", 256 * KiB), Tier::Nvme, x_data.data());
+  Lease l = rt.acquire(x, Tier::Device, Access::Read).get();
+  EXPECT_EQ(leased_bytes(l), x_data);
+}
+
 TEST_F(RuntimeTest, AWriteBackThatNeedsRoomBelowWritesBackThereFirst) {
   auto rt = make();  // device 512 KiB; host 768 KiB after 4 x 64 KiB of staging
-  std::vector<TensorId> host, device;
-  std::vector<std::vector<unsigned char>> host_data, device_data;
-  for (int i = 0; i < 3; ++i) {  // the host's only copies: dirty there
-    host_data.push_back(pattern(256 * KiB, 20 + i));
-    host.push_back(rt->create_tensor(desc("h" + std::to_string(i), 256 * KiB), Tier::Host,
-                                     host_data.back().data()));
-  }
-  for (int i = 0; i < 2; ++i) {  // the device's only copies
-    device_data.push_back(pattern(256 * KiB, 30 + i));
-    device.push_back(rt->create_tensor(desc("d" + std::to_string(i), 256 * KiB), Tier::Device,
-                                       device_data.back().data()));
-  }
-  const auto x_data = pattern(256 * KiB, 40);
-  const TensorId x = rt->create_tensor(desc("x", 256 * KiB), Tier::Nvme, x_data.data());
-  {
-    Lease l = rt->acquire(x, Tier::Device, Access::Read).get();
-    EXPECT_EQ(leased_bytes(l), x_data);
-  }
+  const OnlyCopies h(*rt, "h", 3, Tier::Host, 20);
+  const OnlyCopies d(*rt, "d", 2, Tier::Device, 30);
+  const auto& host = h.ids;
+  const auto& host_data = h.data;
+  const auto& device = d.ids;
+  const auto& device_data = d.data;
+  load_one_more(*rt, 40);
   EXPECT_EQ(rt->tier_stats(Tier::Device).write_backs, 1u);
   EXPECT_EQ(rt->tier_stats(Tier::Host).write_backs, 1u);
   EXPECT_TRUE(rt->resident(device[0], Tier::Host));  // kept on the host
@@ -448,19 +459,10 @@ TEST_F(RuntimeTest, AWriteBackTheHostCannotTakeGoesStraightToNvme) {
     host.push_back(rt->create_tensor(desc("h" + std::to_string(i), 256 * KiB), Tier::Host));
     held.push_back(rt->acquire(host[i], Tier::Host, Access::Read).get());
   }
-  std::vector<TensorId> device;
-  std::vector<std::vector<unsigned char>> device_data;
-  for (int i = 0; i < 2; ++i) {
-    device_data.push_back(pattern(256 * KiB, 50 + i));
-    device.push_back(rt->create_tensor(desc("d" + std::to_string(i), 256 * KiB), Tier::Device,
-                                       device_data.back().data()));
-  }
-  const auto x_data = pattern(256 * KiB, 60);
-  const TensorId x = rt->create_tensor(desc("x", 256 * KiB), Tier::Nvme, x_data.data());
-  {
-    Lease l = rt->acquire(x, Tier::Device, Access::Read).get();
-    EXPECT_EQ(leased_bytes(l), x_data);
-  }
+  const OnlyCopies d(*rt, "d", 2, Tier::Device, 50);
+  const auto& device = d.ids;
+  const auto& device_data = d.data;
+  load_one_more(*rt, 60);
   EXPECT_EQ(rt->tier_stats(Tier::Device).write_backs, 1u);
   EXPECT_EQ(rt->tier_stats(Tier::Host).write_backs, 0u);
   EXPECT_EQ(rt->transfer_stats().bytes_device_to_nvme, 256 * KiB);
