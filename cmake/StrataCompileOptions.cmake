@@ -22,8 +22,10 @@ function(strata_add_layer name)
   target_compile_features(strata_${name} PUBLIC cxx_std_20)
   target_link_libraries(strata_${name} PUBLIC ${ARG_PUBLIC_DEPS}
     PRIVATE ${ARG_PRIVATE_DEPS} $<BUILD_INTERFACE:strata_compile_options>)
-  install(TARGETS strata_${name} EXPORT strataTargets
-    ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
-    LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR})
-  install(DIRECTORY include/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+  if(NOT SKBUILD)  # a wheel carries the Python package only
+    install(TARGETS strata_${name} EXPORT strataTargets
+      ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
+      LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR})
+    install(DIRECTORY include/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+  endif()
 endfunction()

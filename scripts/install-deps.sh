@@ -22,18 +22,27 @@ if ((${#missing[@]})); then
   DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 echo "install-deps: all ${#packages[@]} packages present"
-# The Python side lives in a project virtual environment (.venv at the repository root; Debian's
-# own python is externally managed): numpy and safetensors for the interop test and the numpy
-# reference of stream_inference, pytest. Tests run with .venv/bin/python (CMake's STRATA_PYTHON),
-# so a failed install here fails the test run instead of skipping it.
+# The Python side lives in a virtual environment (Debian's own python is externally managed):
+# numpy, safetensors and torch for the Python package's tests and the interop examples, pytest,
+# and nanobind and scikit-build-core to build the binding (strata._core). torch is large (about
+# 5 GB with its CUDA libraries), so the environment is made once per machine, under
+# ~/.cache/strata (or $STRATA_VENV), and the repository's .venv links to it; a .venv that is
+# already a real environment is used as it is. Tests run with .venv/bin/python (CMake's
+# STRATA_PYTHON), so a failed install here fails the test run instead of skipping it.
 root=$(cd "$(dirname "$0")/.." && pwd)
-venv=${STRATA_VENV:-$root/.venv}
-python_packages=(numpy safetensors pytest)
+if [ -d "$root/.venv" ] && [ ! -L "$root/.venv" ]; then
+  venv=$root/.venv
+else
+  venv=${STRATA_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/strata/venv-$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')}
+  mkdir -p "$(dirname "$venv")"
+  ln -sfn "$venv" "$root/.venv"
+fi
+python_packages=(numpy safetensors pytest nanobind scikit-build-core torch)
 if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv" || { echo "install-deps: python3 -m venv $venv failed" >&2; exit 1; }
 fi
-if ! "$venv/bin/python" -c "import numpy, safetensors, pytest" 2>/dev/null; then
-  echo "install-deps: installing ${python_packages[*]} into $venv"
+if ! "$venv/bin/python" -c "import numpy, safetensors, pytest, nanobind, scikit_build_core, torch" 2>/dev/null; then
+  echo "install-deps: installing ${python_packages[*]} into $venv (torch takes minutes, once)"
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "${python_packages[@]}" ||
     { echo "install-deps: pip install ${python_packages[*]} into $venv failed" >&2; exit 1; }
 fi

@@ -1,0 +1,330 @@
+// strata._core: the nanobind binding of the C++ core. Thin on purpose: the types, the GIL released
+// around every call that may block, C++ errors turned into the Python exceptions of
+// strata/_errors.py, and leases exported as DLPack arrays that keep their lease alive (Note
+// [Arrays keep their lease]). The Pythonic surface (configs, dtypes, context managers) is
+// strata/*.py; nothing here is imported by users directly.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "strata/base/error.h"
+#include "strata/runtime/runtime.h"
+#include "strata/runtime/safetensors.h"
+#include "strata/runtime/telemetry.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+using strata::Access;
+using strata::DType;
+using strata::Tier;
+
+// Note [Arrays keep their lease]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A lease's bytes may be used only while the lease lives: after it ends the copy may be evicted,
+// moved by compaction or rewritten. The Python Lease and every array exported from it share one
+// LeaseBox; the C++ lease ends when the last of them is gone. Leaving a `with` block (or
+// release()) drops the Python Lease's share only, so an array that outlives the block still
+// reads the right bytes, and its tensor is not evicted while it lives.
+struct LeaseBox {
+  strata::Lease lease;
+  DType dtype = DType::U8;
+  std::vector<std::int64_t> shape;
+  bool device_is_cuda = false;  // the lease is on a CUDA device tier
+  int device_ordinal = 0;
+};
+
+nb::dlpack::dtype dlpack_dtype(DType d) {
+  using nb::dlpack::dtype_code;
+  const auto make = [](dtype_code code, int bits) {
+    return nb::dlpack::dtype{static_cast<std::uint8_t>(code), static_cast<std::uint8_t>(bits), 1};
+  };
+  switch (d) {
+    case DType::F32:
+      return make(dtype_code::Float, 32);
+    case DType::F16:
+      return make(dtype_code::Float, 16);
+    case DType::BF16:
+      return make(dtype_code::Bfloat, 16);
+    case DType::F64:
+      return make(dtype_code::Float, 64);
+    case DType::I64:
+      return make(dtype_code::Int, 64);
+    case DType::I32:
+      return make(dtype_code::Int, 32);
+    case DType::I16:
+      return make(dtype_code::Int, 16);
+    case DType::I8:
+      return make(dtype_code::Int, 8);
+    case DType::U8:
+      return make(dtype_code::UInt, 8);
+    case DType::Bool:
+      return make(dtype_code::Bool, 8);
+  }
+  return make(dtype_code::UInt, 8);
+}
+
+// The array a lease exports: its bytes, dtype and shape, on its tier's device, owning a share of
+// the lease. Waits (GIL released) for the copy into the lease's tier to finish first.
+nb::ndarray<nb::array_api> lease_array(const std::shared_ptr<LeaseBox>& box) {
+  if (!box->lease) throw strata::Error(strata::Errc::invalid_argument, "the lease has ended");
+  {
+    nb::gil_scoped_release unlocked;
+    box->lease.wait();
+  }
+  std::vector<std::size_t> shape(box->shape.begin(), box->shape.end());
+  if (shape.empty() && box->lease.bytes() != strata::dtype_bytes(box->dtype))
+    shape.push_back(box->lease.bytes() / strata::dtype_bytes(box->dtype));
+  int device_type = nb::device::cpu::value;
+  int device_id = 0;
+  if (box->lease.tier() == Tier::Device && box->device_is_cuda) {
+    device_type = nb::device::cuda::value;
+    device_id = box->device_ordinal;
+  } else if (box->lease.tier() == Tier::Host && box->device_is_cuda) {
+    device_type = nb::device::cuda_host::value;
+  }
+  auto* share = new std::shared_ptr<LeaseBox>(box);
+  nb::capsule owner(share,
+                    [](void* p) noexcept { delete static_cast<std::shared_ptr<LeaseBox>*>(p); });
+  return nb::ndarray<nb::array_api>(box->lease.data(), shape.size(), shape.data(), owner,
+                                    /*strides=*/nullptr, dlpack_dtype(box->dtype), device_type,
+                                    device_id);
+}
+
+// Bytes of any C-contiguous array (DLPack or buffer protocol, converted by nanobind).
+using AnyArray = nb::ndarray<nb::c_contig, nb::device::cpu>;
+
+std::size_t array_bytes(const AnyArray& a) {
+  return a.nbytes();
+}
+
+// Note [Errors in Python]: each strata error becomes the matching class of strata._errors, with
+// the C++ message; IoError carries errno and path, OutOfMemoryError the numbers.
+void translate(const std::exception_ptr& p, void*) {
+  nb::module_ errors = nb::module_::import_("strata._errors");
+  const auto raise = [&](const char* cls, const std::string& message, nb::dict extra) {
+    nb::object type = errors.attr(cls);
+    nb::object err = type(message);
+    for (auto [k, v] : extra)
+      nb::setattr(err, nb::borrow<nb::str>(k).c_str(), nb::borrow(v));
+    PyErr_SetObject(type.ptr(), err.ptr());
+  };
+  try {
+    std::rethrow_exception(p);
+  } catch (const strata::OutOfMemoryError& e) {
+    nb::dict extra;
+    extra["tier"] = e.tier();
+    extra["requested_bytes"] = e.requested_bytes();
+    extra["free_bytes"] = e.free_bytes();
+    extra["largest_free_bytes"] = e.largest_free_bytes();
+    raise("OutOfMemoryError", e.what(), extra);
+  } catch (const strata::IoError& e) {
+    nb::dict extra;
+    extra["errno"] = e.error_number();
+    extra["path"] = e.path();
+    extra["offset"] = e.offset();
+    raise(e.code() == strata::Errc::corrupt_data ? "CorruptDataError" : "IoError", e.what(), extra);
+  } catch (const strata::Error& e) {
+    const char* cls = "Error";
+    switch (e.code()) {
+      case strata::Errc::invalid_argument:
+        cls = "InvalidArgumentError";
+        break;
+      case strata::Errc::out_of_memory:
+        cls = "OutOfMemoryError";
+        break;
+      case strata::Errc::io_error:
+        cls = "IoError";
+        break;
+      case strata::Errc::corrupt_data:
+        cls = "CorruptDataError";
+        break;
+      case strata::Errc::unsupported:
+        cls = "UnsupportedError";
+        break;
+      case strata::Errc::not_found:
+        cls = "NotFoundError";
+        break;
+      case strata::Errc::cuda_error:
+      case strata::Errc::internal:
+        break;
+    }
+    raise(cls, e.what(), nb::dict());
+  }
+}
+
+}  // namespace
+
+NB_MODULE(_core, m) {
+  m.doc() = "strata's C++ core (the binding); use the `strata` package.";
+  nb::register_exception_translator(translate);
+
+  nb::enum_<Tier>(m, "Tier", "A tier of memory: DEVICE (GPU or its stand-in), HOST (pinned), NVME.")
+      .value("DEVICE", Tier::Device)
+      .value("HOST", Tier::Host)
+      .value("NVME", Tier::Nvme);
+  nb::enum_<Access>(m, "Access",
+                    "How a lease uses the bytes: READ, WRITE (write-discard: the old bytes are "
+                    "not brought), READ_WRITE.")
+      .value("READ", Access::Read)
+      .value("WRITE", Access::Write)
+      .value("READ_WRITE", Access::ReadWrite);
+
+  nb::class_<LeaseBox>(m, "LeaseBox");  // opaque; held through shared_ptr below
+
+  struct PyLease {
+    std::shared_ptr<LeaseBox> box;
+  };
+  nb::class_<PyLease>(m, "Lease")
+      .def_prop_ro("data_ptr",
+                   [](const PyLease& l) {
+                     if (!l.box)
+                       throw strata::Error(strata::Errc::invalid_argument, "the lease has ended");
+                     return reinterpret_cast<std::uintptr_t>(l.box->lease.data());
+                   })
+      .def_prop_ro("nbytes", [](const PyLease& l) { return l.box ? l.box->lease.bytes() : 0; })
+      .def_prop_ro("tier", [](const PyLease& l) { return l.box->lease.tier(); })
+      .def_prop_ro("access", [](const PyLease& l) { return l.box->lease.access(); })
+      .def_prop_ro("active", [](const PyLease& l) { return l.box != nullptr; })
+      .def("array",
+           [](const PyLease& l) {
+             if (!l.box) throw strata::Error(strata::Errc::invalid_argument, "the lease has ended");
+             return lease_array(l.box);
+           })
+      .def("release", [](PyLease& l) { l.box.reset(); });
+
+  nb::class_<strata::Runtime>(m, "Runtime")
+      .def("__init__",
+           [](strata::Runtime* self, const std::string& json) {
+             auto options = strata::RuntimeOptions::from_json(json);
+             nb::gil_scoped_release unlocked;
+             new (self) strata::Runtime(std::move(options));
+           })
+      .def(
+          "create_tensor",
+          [](strata::Runtime& rt, const std::string& name, std::vector<std::int64_t> shape,
+             const std::string& dtype, Tier home, nb::object init) {
+            strata::TensorDesc d;
+            d.name = name;
+            d.shape = std::move(shape);
+            d.dtype = strata::parse_dtype(dtype);
+            std::uint64_t n = 1;
+            for (std::int64_t s : d.shape) {
+              if (s < 0)
+                throw strata::Error(strata::Errc::invalid_argument,
+                                    "create_tensor \"" + name + "\": negative dimension");
+              n *= static_cast<std::uint64_t>(s);
+            }
+            d.bytes = n * strata::dtype_bytes(d.dtype);
+            if (init.is_none()) {
+              nb::gil_scoped_release unlocked;
+              return rt.create_tensor(d, home);
+            }
+            const AnyArray a = nb::cast<AnyArray>(init);
+            if (array_bytes(a) != d.bytes)
+              throw strata::Error(
+                  strata::Errc::invalid_argument,
+                  strata::detail::concat("create_tensor \"", name, "\": init has ", array_bytes(a),
+                                         " bytes, the tensor ", d.bytes));
+            const void* src = a.data();
+            nb::gil_scoped_release unlocked;
+            return rt.create_tensor(d, home, src);
+          },
+          "name"_a, "shape"_a, "dtype"_a, "home"_a, "init"_a.none())
+      .def("map_tensor",
+           [](strata::Runtime& rt, const std::string& name, std::vector<std::int64_t> shape,
+              const std::string& dtype, const std::string& path, std::uint64_t offset) {
+             strata::TensorDesc d;
+             d.name = name;
+             d.shape = std::move(shape);
+             d.dtype = strata::parse_dtype(dtype);
+             nb::gil_scoped_release unlocked;
+             return rt.map_tensor(d, path, offset);
+           })
+      .def("describe",
+           [](const strata::Runtime& rt, strata::TensorId id) {
+             const strata::TensorDesc d = rt.describe(id);
+             return nb::make_tuple(d.name, d.shape, std::string(strata::to_string(d.dtype)),
+                                   d.bytes);
+           })
+      .def("acquire",
+           [](strata::Runtime& rt, strata::TensorId id, Tier tier, Access access) {
+             auto box = std::make_shared<LeaseBox>();
+             {
+               nb::gil_scoped_release unlocked;
+               box->lease = rt.acquire(id, tier, access).get();
+               const strata::TensorDesc d = rt.describe(id);
+               box->dtype = d.dtype;
+               box->shape = d.shape;
+               box->device_is_cuda = rt.backend().kind() == strata::BackendKind::Cuda;
+               box->device_ordinal = rt.options().backend.device_ordinal;
+             }
+             return PyLease{std::move(box)};
+           })
+      .def("prefetch",
+           [](strata::Runtime& rt, strata::TensorId id, Tier tier) {
+             nb::gil_scoped_release unlocked;
+             rt.prefetch(id, tier);
+           })
+      .def("evict",
+           [](strata::Runtime& rt, strata::TensorId id, Tier tier) {
+             nb::gil_scoped_release unlocked;
+             return rt.evict(id, tier);
+           })
+      .def("resident", &strata::Runtime::resident)
+      .def("synchronize",
+           [](strata::Runtime& rt) {
+             nb::gil_scoped_release unlocked;
+             rt.synchronize();
+           })
+      .def("read_into",
+           [](strata::Runtime& rt, strata::TensorId id,
+              nb::ndarray<nb::c_contig, nb::device::cpu> out) {
+             void* dst = out.data();
+             const std::size_t bytes = out.nbytes();
+             nb::gil_scoped_release unlocked;
+             rt.read(id, dst, bytes);
+           })
+      .def("write",
+           [](strata::Runtime& rt, strata::TensorId id, const AnyArray& src) {
+             const void* p = src.data();
+             const std::size_t bytes = src.nbytes();
+             nb::gil_scoped_release unlocked;
+             rt.write(id, p, bytes);
+           })
+      .def("destroy",
+           [](strata::Runtime& rt, strata::TensorId id) {
+             nb::gil_scoped_release unlocked;
+             rt.destroy_tensor(id);
+           })
+      .def("stats_json", &strata::Runtime::stats_json)
+      .def("export_trace",
+           [](strata::Runtime& rt, const std::string& path) {
+             nb::gil_scoped_release unlocked;
+             rt.telemetry().write_chrome_trace(path);
+           })
+      .def("map_safetensors", [](strata::Runtime& rt, const std::string& path) {
+        std::vector<std::pair<std::string, strata::TensorId>> out;
+        {
+          nb::gil_scoped_release unlocked;
+          for (const auto& [name, id] :
+               strata::safetensors::map_file(rt, path, strata::safetensors::read_header(path)))
+            out.emplace_back(name, id);
+        }
+        nb::list l;
+        for (auto& [name, id] : out)
+          l.append(nb::make_tuple(name, id));
+        return l;
+      });
+}

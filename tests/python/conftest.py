@@ -1,0 +1,35 @@
+"""Fixtures for the Python package's tests: a small runtime on the host backend with an NVMe
+tier in a temporary directory (real files, io_uring, O_DIRECT where the filesystem allows)."""
+
+import numpy as np
+import pytest
+import strata
+
+
+def small_config(tmp_path, **overrides):
+    config = {
+        "backend": "host",
+        "device_budget": "1MiB",
+        "host_budget": "2MiB",
+        "staging_chunk": "64KiB",
+        "staging_chunks": 4,
+        "io": {"block": "64KiB"},
+        "nvme": {"paths": [str(tmp_path)], "capacity": "64MiB", "stripe": "64KiB"},
+        "quiet": True,
+    }
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(config.get(key), dict):
+            config[key] = {**config[key], **value}
+        else:
+            config[key] = value
+    return config
+
+
+@pytest.fixture
+def rt(tmp_path):
+    return strata.Runtime(small_config(tmp_path))
+
+
+def pattern(n, seed, dtype=np.float32):
+    """n values of dtype, different for every seed (a fixed generator: reproducible)."""
+    return np.random.default_rng(seed).standard_normal(n).astype(dtype)
