@@ -5,21 +5,28 @@
 // strata/*.py; nothing here is imported by users directly.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #include "strata/base/error.h"
+#include "strata/optim/adam.h"
 #include "strata/runtime/runtime.h"
 #include "strata/runtime/safetensors.h"
 #include "strata/runtime/telemetry.h"
+#include "strata/scheduler/prefetch_pipeline.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -164,6 +171,58 @@ void translate(const std::exception_ptr& p, void*) {
   }
 }
 
+// A lease handed to Python: a box shared with the arrays exported from it.
+struct PyLease {
+  std::shared_ptr<LeaseBox> box;
+};
+
+PyLease boxed(strata::Runtime& rt, strata::Lease lease, strata::TensorId id) {
+  auto box = std::make_shared<LeaseBox>();
+  box->lease = std::move(lease);
+  const strata::TensorDesc d = rt.describe(id);
+  box->dtype = d.dtype;
+  box->shape = d.shape;
+  box->device_is_cuda = rt.backend().kind() == strata::BackendKind::Cuda;
+  box->device_ordinal = rt.options().backend.device_ordinal;
+  return PyLease{std::move(box)};
+}
+
+// Runtime::acquire's future: result() waits without the GIL.
+struct PyLeaseFuture {
+  strata::Runtime* rt = nullptr;
+  strata::TensorId id = 0;
+  strata::LeaseFuture future;
+};
+
+// The prefetch pipeline and the step it has open (one at a time, as in C++).
+struct PyPipeline {
+  strata::Runtime* rt = nullptr;
+  std::unique_ptr<strata::PrefetchPipeline> pipeline;
+  std::optional<strata::StepLeases> open;
+};
+
+strata::PrefetchMode parse_mode(const std::string& mode) {
+  if (mode == "auto") return strata::PrefetchMode::Auto;
+  if (mode == "none") return strata::PrefetchMode::None;
+  if (mode == "fixed") return strata::PrefetchMode::Fixed;
+  throw strata::Error(strata::Errc::invalid_argument,
+                      "prefetch: \"" + mode + "\" is not one of auto, none, fixed");
+}
+
+// Adam's arrays: C-contiguous CPU arrays of any dtype, checked here by name.
+DType array_dtype(const AnyArray& a, const char* what) {
+  const nb::dlpack::dtype d = a.dtype();
+  if (d == nb::dtype<float>()) return DType::F32;
+  if (d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Bfloat) && d.bits == 16)
+    return DType::BF16;
+  if (d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float) && d.bits == 16)
+    return DType::F16;
+  throw strata::Error(
+      strata::Errc::invalid_argument,
+      strata::detail::concat("adam_step: ", what, " must be float32, bfloat16 or float16 (code ",
+                             int(d.code), ", ", int(d.bits), " bits)"));
+}
+
 }  // namespace
 
 NB_MODULE(_core, m) {
@@ -183,9 +242,6 @@ NB_MODULE(_core, m) {
 
   nb::class_<LeaseBox>(m, "LeaseBox");  // opaque; held through shared_ptr below
 
-  struct PyLease {
-    std::shared_ptr<LeaseBox> box;
-  };
   nb::class_<PyLease>(m, "Lease")
       .def_prop_ro("data_ptr",
                    [](const PyLease& l) {
@@ -203,6 +259,16 @@ NB_MODULE(_core, m) {
              return lease_array(l.box);
            })
       .def("release", [](PyLease& l) { l.box.reset(); });
+
+  nb::class_<PyLeaseFuture>(m, "LeaseFuture")
+      .def("done", [](const PyLeaseFuture& f) { return f.future.valid() && f.future.ready(); })
+      .def("result", [](PyLeaseFuture& f) {
+        if (!f.future.valid())
+          throw strata::Error(strata::Errc::invalid_argument, "result(): already taken");
+        nb::gil_scoped_release unlocked;
+        strata::Lease lease = f.future.get();
+        return boxed(*f.rt, std::move(lease), f.id);
+      });
 
   nb::class_<strata::Runtime>(m, "Runtime")
       .def("__init__",
@@ -260,18 +326,21 @@ NB_MODULE(_core, m) {
            })
       .def("acquire",
            [](strata::Runtime& rt, strata::TensorId id, Tier tier, Access access) {
-             auto box = std::make_shared<LeaseBox>();
-             {
-               nb::gil_scoped_release unlocked;
-               box->lease = rt.acquire(id, tier, access).get();
-               const strata::TensorDesc d = rt.describe(id);
-               box->dtype = d.dtype;
-               box->shape = d.shape;
-               box->device_is_cuda = rt.backend().kind() == strata::BackendKind::Cuda;
-               box->device_ordinal = rt.options().backend.device_ordinal;
-             }
-             return PyLease{std::move(box)};
+             nb::gil_scoped_release unlocked;
+             strata::Lease lease = rt.acquire(id, tier, access).get();
+             return boxed(rt, std::move(lease), id);
            })
+      .def(
+          "acquire_async",
+          [](strata::Runtime& rt, strata::TensorId id, Tier tier, Access access) {
+            PyLeaseFuture f{&rt, id, {}};
+            {
+              nb::gil_scoped_release unlocked;
+              f.future = rt.acquire(id, tier, access);
+            }
+            return f;
+          },
+          nb::keep_alive<0, 1>())
       .def("prefetch",
            [](strata::Runtime& rt, strata::TensorId id, Tier tier) {
              nb::gil_scoped_release unlocked;
@@ -327,4 +396,117 @@ NB_MODULE(_core, m) {
           l.append(nb::make_tuple(name, id));
         return l;
       });
+
+  nb::class_<PyPipeline>(m, "PrefetchPipeline")
+      .def(
+          "__init__",
+          [](PyPipeline* self, strata::Runtime& rt, const std::string& prefetch,
+             std::size_t fixed_lookahead, bool write_back, bool across_iterations) {
+            strata::PipelineOptions o;
+            o.prefetch = parse_mode(prefetch);
+            o.fixed_lookahead = fixed_lookahead;
+            o.write_back = write_back;
+            o.across_iterations = across_iterations;
+            new (self) PyPipeline{&rt, std::make_unique<strata::PrefetchPipeline>(rt, o), {}};
+          },
+          nb::keep_alive<1, 2>(), "runtime"_a, "prefetch"_a = "auto", "fixed_lookahead"_a = 2,
+          "write_back"_a = true, "across_iterations"_a = true)
+      .def("begin_iteration",
+           [](PyPipeline& p) {
+             nb::gil_scoped_release unlocked;
+             p.pipeline->begin_iteration();
+           })
+      .def("end_iteration",
+           [](PyPipeline& p) {
+             nb::gil_scoped_release unlocked;
+             p.pipeline->end_iteration();
+           })
+      .def("begin_step",
+           [](PyPipeline& p, const std::string& name,
+              const std::vector<std::tuple<strata::TensorId, Tier, Access>>& uses) {
+             if (p.open)
+               throw strata::Error(strata::Errc::invalid_argument,
+                                   "begin_step \"" + name + "\": the previous step has not ended");
+             std::vector<strata::TensorUse> u;
+             for (const auto& [id, tier, access] : uses)
+               u.push_back({id, access, tier});
+             std::vector<PyLease> out;
+             {
+               nb::gil_scoped_release unlocked;
+               p.open = p.pipeline->begin_step(name, u);
+               for (std::size_t i = 0; i < p.open->size(); ++i)
+                 out.push_back(boxed(*p.rt, std::move((*p.open)[i]), u[i].tensor));
+             }
+             nb::list l;
+             for (auto& lease : out)
+               l.append(nb::cast(std::move(lease)));
+             return l;
+           })
+      .def("end_step",
+           [](PyPipeline& p) {
+             if (!p.open) return;
+             strata::StepLeases leases = std::move(*p.open);
+             p.open.reset();
+             nb::gil_scoped_release unlocked;
+             p.pipeline->end_step(std::move(leases));
+           })
+      .def("stats", [](const PyPipeline& p) {
+        const strata::PipelineStats s = p.pipeline->stats();
+        nb::dict d;
+        d["steps"] = s.steps;
+        d["prefetches"] = s.prefetches;
+        d["host_prefetches"] = s.host_prefetches;
+        d["ready_at_begin"] = s.ready_at_begin;
+        d["inputs"] = s.inputs;
+        d["on_demand"] = s.on_demand;
+        d["divergences"] = s.divergences;
+        d["write_backs"] = s.write_backs;
+        d["prefetch_failures"] = s.prefetch_failures;
+        d["max_lookahead_steps"] = s.max_lookahead_steps;
+        d["measured_gbps"] = s.measured_gbps;
+        d["compute_s_per_step"] = s.compute_s_per_step;
+        return d;
+      });
+
+  nb::module_ optim = m.def_submodule("optim", "The CPU Adam of strata::optim.");
+  optim.def(
+      "adam_step",
+      [](AnyArray params, AnyArray grads, AnyArray exp_avg, AnyArray exp_avg_sq, std::uint64_t step,
+         double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
+         std::optional<AnyArray> param_copy) {
+        for (auto [a, what] : {std::pair{&params, "params"}, std::pair{&exp_avg, "exp_avg"},
+                               std::pair{&exp_avg_sq, "exp_avg_sq"}})
+          if (array_dtype(*a, what) != DType::F32)
+            throw strata::Error(strata::Errc::invalid_argument,
+                                std::string("adam_step: ") + what +
+                                    " must be float32 (the master copy); pass a bfloat16 or "
+                                    "float16 copy of the parameters as param_copy");
+        const std::size_t n = params.size();
+        for (auto [a, what] : {std::pair{&grads, "grads"}, std::pair{&exp_avg, "exp_avg"},
+                               std::pair{&exp_avg_sq, "exp_avg_sq"}})
+          if (a->size() != n)
+            throw strata::Error(strata::Errc::invalid_argument,
+                                strata::detail::concat("adam_step: ", what, " has ", a->size(),
+                                                       " elements, params ", n));
+        strata::optim::AdamConfig c{lr, beta1, beta2, eps, weight_decay, adamw};
+        strata::optim::AdamArgs args;
+        args.params = static_cast<float*>(params.data());
+        args.exp_avg = static_cast<float*>(exp_avg.data());
+        args.exp_avg_sq = static_cast<float*>(exp_avg_sq.data());
+        args.grads = grads.data();
+        args.grad_dtype = array_dtype(grads, "grads");
+        args.count = n;
+        args.step = step;
+        if (param_copy) {
+          args.copy_dtype = array_dtype(*param_copy, "param_copy");
+          if (args.copy_dtype == DType::F32 || param_copy->size() != n)
+            throw strata::Error(strata::Errc::invalid_argument,
+                                "adam_step: param_copy must be bfloat16 or float16, one per param");
+          args.param_copy = param_copy->data();
+        }
+        nb::gil_scoped_release unlocked;
+        strata::optim::adam_step(c, args);
+      },
+      "params"_a, "grads"_a, "exp_avg"_a, "exp_avg_sq"_a, "step"_a, "lr"_a, "beta1"_a, "beta2"_a,
+      "eps"_a, "weight_decay"_a, "adamw"_a, "param_copy"_a.none());
 }

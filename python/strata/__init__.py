@@ -14,7 +14,7 @@ lease holds a tensor's bytes on one tier; it exports them zero-copy through DLPa
 See the README's Python section for the whole API.
 """
 
-from . import safetensors
+from . import optim, safetensors
 from ._core import Access, Tier
 from ._errors import (
     CorruptDataError,
@@ -25,7 +25,8 @@ from ._errors import (
     OutOfMemoryError,
     UnsupportedError,
 )
-from ._runtime import Lease, Runtime, Tensor
+from ._pipeline import PrefetchPipeline
+from ._runtime import Lease, LeaseFuture, Runtime, Tensor
 
 __all__ = [
     "Access",
@@ -34,12 +35,15 @@ __all__ = [
     "InvalidArgumentError",
     "IoError",
     "Lease",
+    "LeaseFuture",
     "NotFoundError",
     "OutOfMemoryError",
+    "PrefetchPipeline",
     "Runtime",
     "Tensor",
     "Tier",
     "UnsupportedError",
+    "optim",
     "safetensors",
 ]
 __version__ = "0.1.0"

@@ -185,6 +185,22 @@ class Lease:
         return f"<strata.Lease {self.tensor.name!r} on {self.tier.name} ({state})>"
 
 
+class LeaseFuture:
+    """A lease on its way (Runtime.acquire_async): ``result()`` waits for it, without the GIL."""
+
+    def __init__(self, core: Any, tensor: Tensor) -> None:
+        self._core = core
+        self.tensor = tensor
+
+    def done(self) -> bool:
+        """True when result() would not block."""
+        return self._core.done()
+
+    def result(self) -> Lease:
+        """The lease, once its copy is on the tier (once only)."""
+        return Lease(self._core.result(), self.tensor)
+
+
 class Runtime:
     """The residency manager: tensors in the fastest tier with room, moved as they are used.
 
@@ -251,6 +267,13 @@ class Runtime:
         """Blocks (without the GIL) until the tensor's bytes are on `tier`, and leases them."""
         t = tensor if isinstance(tensor, Tensor) else self._describe(int(tensor))
         return Lease(self._core.acquire(t.id, tier, access), t)
+
+    def acquire_async(
+        self, tensor: TensorLike, tier: Tier, access: Access = Access.READ
+    ) -> LeaseFuture:
+        """Starts bringing the tensor to `tier` and returns at once a future of its lease."""
+        t = tensor if isinstance(tensor, Tensor) else self._describe(int(tensor))
+        return LeaseFuture(self._core.acquire_async(t.id, tier, access), t)
 
     def prefetch(self, tensor: TensorLike, tier: Tier) -> None:
         """Starts bringing the tensor to `tier` (returns once the move is under way)."""
