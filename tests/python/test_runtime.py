@@ -228,3 +228,18 @@ def test_the_docs_are_real():
     assert "tiered tensor offload" in strata.__doc__
     assert "dict, a JSON string" in strata.Runtime.__doc__
     assert "Blocks" in strata.Runtime.acquire.__doc__
+
+
+def test_asking_for_cuda_without_a_gpu_is_unsupported_and_with_one_works():
+    # The one place a skip would hide a failure: both outcomes are checked, by what the
+    # machine has (torch's view of it).
+    if torch.cuda.is_available():
+        rt = strata.Runtime({"backend": "cuda", "device_budget": "64MiB", "quiet": True})
+        t = rt.create_tensor("w", (1024,), "float32", init=np.ones(1024, np.float32))
+        with rt.acquire(t, T.DEVICE) as lease:
+            x = torch.from_dlpack(lease)
+            assert x.is_cuda and x.data_ptr() == lease.data_ptr
+            assert x.sum().item() == 1024
+    else:
+        with pytest.raises(strata.UnsupportedError, match="backend cuda: no CUDA device"):
+            strata.Runtime({"backend": "cuda"})
