@@ -50,6 +50,7 @@ struct LeaseBox {
   std::vector<std::int64_t> shape;
   bool device_is_cuda = false;  // the lease is on a CUDA device tier
   int device_ordinal = 0;
+  strata::Backend* backend = nullptr;  // the runtime's, which outlives its leases
 };
 
 nb::dlpack::dtype dlpack_dtype(DType d) {
@@ -82,25 +83,45 @@ nb::dlpack::dtype dlpack_dtype(DType d) {
   return make(dtype_code::UInt, 8);
 }
 
+// Note [DLPack and streams]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~
+// A device lease may be handed out while the copy that brings its bytes is still running on a
+// strata stream (Lease::event()). DLPack's `stream` says where the consumer will use the array:
+// on the CUDA device tier that stream is made to wait for the copy's event (cudaStreamWaitEvent;
+// the host does not block), None means the legacy default stream (1), -1 that the consumer
+// synchronises itself. Every other export (host tier, host backend) is waited for on the host,
+// with the GIL released, before it is handed out.
+int dlpack_device_type(const LeaseBox& box) {
+  if (!box.device_is_cuda) return nb::device::cpu::value;
+  return box.lease.tier() == Tier::Device ? nb::device::cuda::value : nb::device::cuda_host::value;
+}
+
+// Makes the bytes ready for `stream` (Note [DLPack and streams]); nullopt: for the host.
+void make_ready(const LeaseBox& box, std::optional<std::intptr_t> stream) {
+  if (!box.lease) throw strata::Error(strata::Errc::invalid_argument, "the lease has ended");
+  if (dlpack_device_type(box) == nb::device::cuda::value && stream) {
+    if (*stream == 0)
+      throw strata::Error(strata::Errc::invalid_argument,
+                          "DLPack stream 0 is ambiguous: pass 1 (legacy default), 2 (per-thread "
+                          "default), a stream handle, or -1 (no synchronization)");
+    if (*stream != -1 && box.lease.event() != nullptr)
+      box.backend->wait_on_foreign_stream(*box.lease.event(),
+                                          static_cast<std::uintptr_t>(*stream));
+    return;
+  }
+  nb::gil_scoped_release unlocked;
+  box.lease.wait();
+}
+
 // The array a lease exports: its bytes, dtype and shape, on its tier's device, owning a share of
-// the lease. Waits (GIL released) for the copy into the lease's tier to finish first.
+// the lease (Note [Arrays keep their lease]). Does not wait: make_ready() does.
 nb::ndarray<nb::array_api> lease_array(const std::shared_ptr<LeaseBox>& box) {
   if (!box->lease) throw strata::Error(strata::Errc::invalid_argument, "the lease has ended");
-  {
-    nb::gil_scoped_release unlocked;
-    box->lease.wait();
-  }
   std::vector<std::size_t> shape(box->shape.begin(), box->shape.end());
   if (shape.empty() && box->lease.bytes() != strata::dtype_bytes(box->dtype))
     shape.push_back(box->lease.bytes() / strata::dtype_bytes(box->dtype));
-  int device_type = nb::device::cpu::value;
-  int device_id = 0;
-  if (box->lease.tier() == Tier::Device && box->device_is_cuda) {
-    device_type = nb::device::cuda::value;
-    device_id = box->device_ordinal;
-  } else if (box->lease.tier() == Tier::Host && box->device_is_cuda) {
-    device_type = nb::device::cuda_host::value;
-  }
+  const int device_type = dlpack_device_type(*box);
+  const int device_id = device_type == nb::device::cuda::value ? box->device_ordinal : 0;
   auto* share = new std::shared_ptr<LeaseBox>(box);
   nb::capsule owner(share,
                     [](void* p) noexcept { delete static_cast<std::shared_ptr<LeaseBox>*>(p); });
@@ -184,6 +205,7 @@ PyLease boxed(strata::Runtime& rt, strata::Lease lease, strata::TensorId id) {
   box->shape = d.shape;
   box->device_is_cuda = rt.backend().kind() == strata::BackendKind::Cuda;
   box->device_ordinal = rt.options().backend.device_ordinal;
+  box->backend = &rt.backend();
   return PyLease{std::move(box)};
 }
 
@@ -257,6 +279,20 @@ NB_MODULE(_core, m) {
            [](const PyLease& l) {
              if (!l.box) throw strata::Error(strata::Errc::invalid_argument, "the lease has ended");
              return lease_array(l.box);
+           })
+      .def(
+          "make_ready",
+          [](const PyLease& l, std::optional<std::intptr_t> stream) {
+            if (!l.box) throw strata::Error(strata::Errc::invalid_argument, "the lease has ended");
+            make_ready(*l.box, stream);
+          },
+          "stream"_a.none())
+      .def("dlpack_device",
+           [](const PyLease& l) {
+             if (!l.box) throw strata::Error(strata::Errc::invalid_argument, "the lease has ended");
+             const int type = dlpack_device_type(*l.box);
+             return std::pair<int, int>(
+                 type, type == nb::device::cuda::value ? l.box->device_ordinal : 0);
            })
       .def("release", [](PyLease& l) { l.box.reset(); });
 
@@ -474,13 +510,6 @@ NB_MODULE(_core, m) {
       [](AnyArray params, AnyArray grads, AnyArray exp_avg, AnyArray exp_avg_sq, std::uint64_t step,
          double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
          std::optional<AnyArray> param_copy) {
-        for (auto [a, what] : {std::pair{&params, "params"}, std::pair{&exp_avg, "exp_avg"},
-                               std::pair{&exp_avg_sq, "exp_avg_sq"}})
-          if (array_dtype(*a, what) != DType::F32)
-            throw strata::Error(strata::Errc::invalid_argument,
-                                std::string("adam_step: ") + what +
-                                    " must be float32 (the master copy); pass a bfloat16 or "
-                                    "float16 copy of the parameters as param_copy");
         const std::size_t n = params.size();
         for (auto [a, what] : {std::pair{&grads, "grads"}, std::pair{&exp_avg, "exp_avg"},
                                std::pair{&exp_avg_sq, "exp_avg_sq"}})
@@ -488,7 +517,34 @@ NB_MODULE(_core, m) {
             throw strata::Error(strata::Errc::invalid_argument,
                                 strata::detail::concat("adam_step: ", what, " has ", a->size(),
                                                        " elements, params ", n));
-        strata::optim::AdamConfig c{lr, beta1, beta2, eps, weight_decay, adamw};
+        const DType param_dtype = array_dtype(params, "params");
+        const DType state_dtype = array_dtype(exp_avg, "exp_avg");
+        if (array_dtype(exp_avg_sq, "exp_avg_sq") != state_dtype)
+          throw strata::Error(strata::Errc::invalid_argument,
+                              "adam_step: exp_avg and exp_avg_sq must have one dtype");
+        const strata::optim::AdamConfig c{lr, beta1, beta2, eps, weight_decay, adamw};
+        if (param_dtype != DType::F32) {  // 16-bit params, no master copy
+          if (param_copy)
+            throw strata::Error(strata::Errc::invalid_argument,
+                                "adam_step: param_copy goes with float32 params (the master "
+                                "copy); these params are 16-bit and are updated in place");
+          strata::optim::Adam16Args args;
+          args.params = params.data();
+          args.param_dtype = param_dtype;
+          args.exp_avg = exp_avg.data();
+          args.exp_avg_sq = exp_avg_sq.data();
+          args.state_dtype = state_dtype;
+          args.grads = grads.data();
+          args.grad_dtype = array_dtype(grads, "grads");
+          args.count = n;
+          args.step = step;
+          nb::gil_scoped_release unlocked;
+          strata::optim::adam_step(c, args);
+          return;
+        }
+        if (state_dtype != DType::F32)
+          throw strata::Error(strata::Errc::invalid_argument,
+                              "adam_step: float32 params take float32 exp_avg and exp_avg_sq");
         strata::optim::AdamArgs args;
         args.params = static_cast<float*>(params.data());
         args.exp_avg = static_cast<float*>(exp_avg.data());

@@ -113,6 +113,9 @@ class Tensor:
     nbytes: int
 
 
+_KDLCUDA = 2  # DLPack's kDLCUDA
+
+
 class Lease:
     """The right to use a tensor's bytes on one tier, as a context manager.
 
@@ -150,24 +153,46 @@ class Lease:
 
     def _exported(self) -> Any:
         if self._array is None:
-            self._array = self._core.array()  # waits for the copy into the tier
+            self._array = self._core.array()
         return self._array
 
     def __dlpack__(
         self,
         *,
-        stream: Any = None,
-        max_version: Any = None,
+        stream: int | None = None,
+        max_version: tuple[int, int] | None = None,
         dl_device: Any = None,
-        copy: Any = None,
+        copy: bool | None = None,
     ) -> Any:
-        """DLPack export. The bytes are ready when this returns (the lease's copy event has been
-        waited for), so any `stream` may use them."""
+        """DLPack export, zero copy, keeping this lease alive while the array lives.
+
+        On a CUDA device tier `stream` is the consumer's stream: it is made to wait for the copy
+        that brought the bytes (None: the legacy default stream; -1: the consumer synchronises
+        itself), and the host does not block. Every other array is on the CPU (or pinned host
+        memory): `stream` must be None or -1, and the copy is waited for on the host first.
+        """
+        device_type, _ = self._core.dlpack_device()
+        if device_type == _KDLCUDA:
+            if stream == 0:
+                raise BufferError(
+                    "DLPack stream 0 is ambiguous: pass 1 (legacy default), 2 (per-thread "
+                    "default), a stream handle, or -1"
+                )
+            self._core.make_ready(1 if stream is None else int(stream))
+        else:
+            if stream is not None and stream != -1:
+                raise BufferError(
+                    f"this lease's array is in host memory (DLPack device {device_type}): "
+                    f"stream must be None or -1, not {stream!r}"
+                )
+            self._core.make_ready(None)
         kwargs = {"max_version": max_version, "dl_device": dl_device, "copy": copy}
         return self._exported().__dlpack__(**{k: v for k, v in kwargs.items() if v is not None})
 
-    def __dlpack_device__(self) -> Any:
-        return self._exported().__dlpack_device__()
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """(DLPack device type, device id): kDLCUDA for a CUDA device tier, kDLCUDAHost for the
+        host tier of the CUDA backend, kDLCPU otherwise."""
+        return tuple(self._core.dlpack_device())
 
     def release(self) -> None:
         """Ends this lease's hold on the copy (arrays made from it keep theirs)."""

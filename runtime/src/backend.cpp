@@ -32,6 +32,10 @@ BackendKind parse_backend_kind(std::string_view text, std::string_view key) {
 
 Backend::~Backend() = default;
 
+void Backend::wait_on_foreign_stream(Event& event, std::uintptr_t /*stream*/) {
+  event.synchronize();
+}
+
 void Backend::start(void* device_base, std::size_t budget_bytes) {
   device_pool_ = std::make_unique<MemoryPool>(std::string(to_string(Tier::Device)), device_base,
                                               budget_bytes, tunables::kDeviceAlignment);

@@ -331,6 +331,89 @@ TEST(Adam, F16CAgreesWithTheSoftwareConversions) {
   }
 }
 
+// 16-bit params (no master copy): the step equals the fp32 scalar reference on the widened
+// values, rounded to nearest even by the test's own rounding, bit for bit, for every variant,
+// param dtype, moment dtype and gradient dtype. 3000 elements cross the 1024-element blocks.
+TEST(Adam, SixteenBitParamsEqualTheFp32StepRounded) {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const std::size_t n = 3000;
+  for (AdamVariant variant : all_variants()) {
+    if (!adam_supports(variant)) continue;
+    for (DType pd : {DType::BF16, DType::F16})
+      for (DType sd : {DType::F32, DType::BF16, DType::F16})
+        for (DType gd : {DType::F32, DType::BF16, DType::F16}) {
+          SCOPED_TRACE(variant_name(variant) + " params " + std::string(to_string(pd)) +
+                       " moments " + std::string(to_string(sd)) + " grads " +
+                       std::string(to_string(gd)));
+          const auto round16 = [&](float f, DType d) {
+            return d == DType::BF16 ? bf16_nearest_even(f) : f16_nearest_even(f);
+          };
+          const auto value16 = [&](std::uint16_t h, DType d) {
+            return static_cast<float>(d == DType::BF16 ? bf16_value(h) : f16_value(h));
+          };
+          std::vector<std::uint16_t> p16(n), m16(n), v16(n), g16(n);
+          std::vector<float> p32(n), m32(n), v32(n), g32(n);
+          for (std::size_t i = 0; i < n; ++i) {
+            p16[i] = round16(normal(rng), pd);
+            p32[i] = value16(p16[i], pd);
+            const float m = 0.1f * normal(rng), v = 0.01f * std::abs(normal(rng));
+            m32[i] = sd == DType::F32 ? m : value16(m16[i] = round16(m, sd), sd);
+            v32[i] = sd == DType::F32 ? v : value16(v16[i] = round16(v, sd), sd);
+            const float g = normal(rng);
+            g32[i] = gd == DType::F32 ? g : value16(g16[i] = round16(g, gd), gd);
+          }
+          std::vector<float> ms = m32, vs = v32;  // the moments the 16-bit step uses when f32
+          Adam16Args a;
+          a.params = p16.data();
+          a.param_dtype = pd;
+          a.exp_avg = sd == DType::F32 ? static_cast<void*>(ms.data()) : m16.data();
+          a.exp_avg_sq = sd == DType::F32 ? static_cast<void*>(vs.data()) : v16.data();
+          a.state_dtype = sd;
+          a.grads = gd == DType::F32 ? static_cast<const void*>(g32.data()) : g16.data();
+          a.grad_dtype = gd;
+          a.count = n;
+          a.step = 3;
+          const AdamConfig cfg{1e-2, 0.9, 0.999, 1e-8, 0.01, true};
+          adam_step(cfg, a, variant);
+          AdamArgs r;
+          r.params = p32.data();
+          r.exp_avg = m32.data();
+          r.exp_avg_sq = v32.data();
+          r.grads = g32.data();
+          r.count = n;
+          r.step = 3;
+          adam_step_reference(cfg, r);
+          for (std::size_t i = 0; i < n; ++i) {
+            ASSERT_EQ(p16[i], round16(p32[i], pd)) << i;
+            if (sd == DType::F32) {
+              ASSERT_EQ(std::bit_cast<std::uint32_t>(ms[i]), std::bit_cast<std::uint32_t>(m32[i]));
+              ASSERT_EQ(std::bit_cast<std::uint32_t>(vs[i]), std::bit_cast<std::uint32_t>(v32[i]));
+            } else {
+              ASSERT_EQ(m16[i], round16(m32[i], sd)) << i;
+              ASSERT_EQ(v16[i], round16(v32[i], sd)) << i;
+            }
+          }
+        }
+  }
+}
+
+TEST(Adam, SixteenBitParamsRejectOtherDtypes) {
+  std::uint16_t x[4] = {};
+  Adam16Args a;
+  a.params = a.exp_avg = a.exp_avg_sq = x;
+  a.grads = x;
+  a.count = 4;
+  a.param_dtype = DType::F32;
+  EXPECT_THROW(adam_step({}, a), Error);
+  a.param_dtype = DType::BF16;
+  a.state_dtype = DType::I32;
+  EXPECT_THROW(adam_step({}, a), Error);
+  a.state_dtype = DType::BF16;
+  a.step = 0;
+  EXPECT_THROW(adam_step({}, a), Error);
+}
+
 TEST(Adam, RejectsBadArguments) {
   AdamArgs a;
   a.count = 4;

@@ -1,14 +1,30 @@
 """Fixtures for the Python package's tests: a small runtime on the host backend with an NVMe
-tier in a temporary directory (real files, io_uring, O_DIRECT where the filesystem allows)."""
+tier in a temporary directory (real files, io_uring, O_DIRECT where the filesystem allows).
+
+STRATA_TEST_BACKEND=cuda runs the suite on the CUDA backend (bench/gpu-check.sh does), and
+STRATA_REQUIRE_GPU=1 turns every skip into a failure: on a GPU machine nothing may skip."""
+
+import os
 
 import numpy as np
 import pytest
 import strata
 
+BACKEND = os.environ.get("STRATA_TEST_BACKEND", "host")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and os.environ.get("STRATA_REQUIRE_GPU") == "1":
+        report.outcome = "failed"
+        report.longrepr = f"skipped on a GPU machine (STRATA_REQUIRE_GPU=1): {report.longrepr}"
+
 
 def small_config(tmp_path, **overrides):
     config = {
-        "backend": "host",
+        "backend": BACKEND,
         "device_budget": "1MiB",
         "host_budget": "2MiB",
         "staging_chunk": "64KiB",

@@ -92,7 +92,65 @@ def test_adam_step_takes_bf16_grads_and_writes_a_bf16_copy():
     strata.optim.adam_step(params, grads, m, v, step=1, param_copy=copy)
     assert torch.equal(params, expected)  # bf16 grads widen exactly to float32
     assert torch.equal(copy, params.to(torch.bfloat16))  # round to nearest even
-    with pytest.raises(strata.InvalidArgumentError, match="params must be float32"):
-        strata.optim.adam_step(copy, grads, m, v, step=2)
+    with pytest.raises(strata.InvalidArgumentError, match="param_copy goes with float32"):
+        strata.optim.adam_step(copy, grads, m, v, step=2, param_copy=copy)
+    with pytest.raises(strata.InvalidArgumentError, match="one dtype"):
+        strata.optim.adam_step(params, grads, m, v.to(torch.bfloat16), step=2)
     with pytest.raises(strata.InvalidArgumentError, match="grads has 10 elements"):
         strata.optim.adam_step(params, torch.zeros(10), m, v, step=2)
+
+
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("state_dtype", ["float32", "same"])
+@pytest.mark.parametrize("adamw", [False, True])
+def test_adam_step_on_16_bit_params_is_torchs_fp32_step_rounded(param_dtype, state_dtype, adamw):
+    # 16-bit params with no master copy: each step widens params and moments to fp32, runs the
+    # fp32 step and rounds once. The reference is torch.optim.Adam(W) in fp32 on the widened
+    # values, rounded by torch's .to(); it and strata compute in fp32 with the same operations
+    # in possibly different orders (torch's addcdiv, lerp), so a value whose fp32 result lies
+    # within an fp32 rounding (6e-8 relative) of a 16-bit halfway point may round the other
+    # way: at most one 16-bit ulp, in a handful of the 8192 values.
+    rng = np.random.default_rng(11)
+    n = 8192
+    sd = param_dtype if state_dtype == "same" else torch.float32
+    params = torch.from_numpy(rng.standard_normal(n).astype(np.float32)).to(param_dtype)
+    m = torch.zeros(n, dtype=sd)
+    v = torch.zeros(n, dtype=sd)
+    cls = torch.optim.AdamW if adamw else torch.optim.Adam
+    for step in range(1, 6):
+        grads = torch.from_numpy(rng.standard_normal(n).astype(np.float32)).to(param_dtype)
+        # The reference starts every step from strata's params and moments.
+        ref = torch.nn.Parameter(params.float())
+        opt = cls([ref], lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, foreach=False)
+        opt.state[ref] = {
+            "step": torch.tensor(float(step - 1)),
+            "exp_avg": m.float().clone(),
+            "exp_avg_sq": v.float().clone(),
+        }
+        ref.grad = grads.float()
+        opt.step()
+        strata.optim.adam_step(
+            params,
+            grads,
+            m,
+            v,
+            step=step,
+            lr=1e-2,
+            betas=(0.9, 0.99),
+            eps=1e-8,
+            weight_decay=0.1,
+            adamw=adamw,
+        )
+        expected = ref.detach().to(param_dtype)
+        ulps = (params.view(torch.int16).int() - expected.view(torch.int16).int()).abs()
+        assert ulps.max().item() <= 1, step
+        assert (ulps != 0).sum().item() <= n // 1000, step
+        for mine, theirs in ((m, opt.state[ref]["exp_avg"]), (v, opt.state[ref]["exp_avg_sq"])):
+            theirs = theirs.to(sd)
+            if sd == torch.float32:
+                assert torch.allclose(mine, theirs, rtol=1e-6, atol=1e-7)
+            else:
+                # One 16-bit ulp, or the fp32 error of a cancelling update (torch's m.lerp_
+                # computes m + (1 - b1)(g - m), strata b1 m + (1 - b1) g).
+                ulp = 2.0**-7 if sd == torch.bfloat16 else 2.0**-10
+                assert torch.allclose(mine.float(), theirs.float(), rtol=ulp, atol=1e-6)

@@ -243,3 +243,40 @@ def test_asking_for_cuda_without_a_gpu_is_unsupported_and_with_one_works():
     else:
         with pytest.raises(strata.UnsupportedError, match="backend cuda: no CUDA device"):
             strata.Runtime({"backend": "cuda"})
+
+
+def test_dlpack_stream_argument_follows_the_protocol(rt):
+    # On the host backend every array is on the CPU: the copy is waited for on the host, and a
+    # consumer's stream is refused with BufferError, as DLPack asks (None and -1 are accepted).
+    data = pattern(4096, 3)
+    t = rt.create_tensor("s", (4096,), "float32", home=T.NVME, init=data)
+    with rt.acquire(t, T.DEVICE) as lease:
+        assert lease.__dlpack_device__() == (1, 0)  # kDLCPU
+        assert np.array_equal(np.from_dlpack(lease), data)
+        capsule = lease.__dlpack__(stream=-1)
+        assert type(capsule).__name__ == "PyCapsule"
+        with pytest.raises(BufferError, match="stream must be None or -1, not 7"):
+            lease.__dlpack__(stream=7)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (CUDA backend)")
+def test_a_cuda_lease_makes_the_consumers_stream_wait(tmp_path):
+    # The device lease is handed out while its host->device copy may still run; torch passes
+    # its current stream to __dlpack__, which waits on the copy's event without blocking the
+    # host. Reading on that stream must see the bytes.
+    rt = strata.Runtime(
+        small_config(tmp_path, backend="cuda", device_budget="64MiB", host_budget="64MiB")
+    )
+    data = pattern(4 * 1024 * 1024, 4)
+    t = rt.create_tensor("c", (data.size,), "float32", home=T.NVME, init=data)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side), rt.acquire(t, T.DEVICE) as lease:
+        assert lease.__dlpack_device__()[0] == 2  # kDLCUDA
+        x = torch.from_dlpack(lease)
+        assert x.data_ptr() == lease.data_ptr
+        total = x.double().sum()
+    torch.cuda.synchronize()
+    assert total.item() == pytest.approx(float(data.astype(np.float64).sum()), rel=1e-12)
+    with rt.acquire(t, T.DEVICE) as lease:
+        with pytest.raises(BufferError, match="ambiguous"):
+            lease.__dlpack__(stream=0)

@@ -192,6 +192,12 @@ class CudaBackend final : public Backend {
     cudaFree(reservation_);
   }
 
+  void wait_on_foreign_stream(Event& event, std::uintptr_t stream) override {
+    STRATA_CUDA_TRY(cudaSetDevice(info_.ordinal));
+    STRATA_CUDA_TRY(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream),
+                                        as_cuda_event(event).get(), 0));
+  }
+
   PinnedBuffer allocate_pinned(std::size_t bytes) override {
     STRATA_EXPECTS(bytes > 0, "allocate_pinned: 0 bytes");
     // mmap + cudaHostRegister rather than cudaHostAlloc: the pages are 4 KiB aligned for O_DIRECT

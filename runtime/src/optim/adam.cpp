@@ -17,6 +17,13 @@
 // rounded to fp32 once, as PyTorch does with Python floats. In fp32, 1.0f - 0.999f is
 // 0.00099998713, not 0.001: every v would be 1.3e-5 (relative) away from the exact trajectory,
 // over two hundred times fp32's unit roundoff (tests/optim/adam_precision_test.cpp).
+//
+// Note [Adam in 16 bits]: params kept only in bf16 or f16 (no master copy) are stepped a block
+// of 1024 at a time: widened into fp32 on the stack, with the moments when they are 16-bit too,
+// run through the same kernel, whose param copy writes the rounded params back in place, and the
+// moments rounded back. Each value is rounded once per step, so the result is torch.optim.Adam's
+// fp32 step on the widened values, rounded (tests/python/test_pipeline_optim.py checks this
+// against torch); torch on bf16 params instead rounds after every operation of the formula.
 #include "strata/optim/adam.h"
 
 #include <immintrin.h>
@@ -317,6 +324,90 @@ void adam_step(const AdamConfig& config, const AdamArgs& a, AdamVariant variant)
                     n);
         else
           kernel(s, a.params + b, a.exp_avg + b, a.exp_avg_sq + b, grads, gk, copy, ck, n);
+      });
+}
+
+namespace {
+
+int kind_16(DType d, const char* what) {
+  if (d == DType::BF16) return 1;
+  if (d == DType::F16) return 2;
+  STRATA_FAIL(Errc::invalid_argument, "adam: ", what, " must be bf16 or f16, not ", to_string(d));
+}
+
+void widen(const std::uint16_t* src, int kind, bool f16c, float* dst, std::size_t n) {
+  if (kind == 1) {
+    for (std::size_t i = 0; i < n; ++i)
+      dst[i] = bf16_to_float(src[i]);
+  } else if (f16c) {
+    f16_to_f32_block(src, dst, n);
+  } else {
+    for (std::size_t i = 0; i < n; ++i)
+      dst[i] = f16_to_float(src[i]);
+  }
+}
+
+void narrow(const float* src, int kind, bool f16c, std::uint16_t* dst, std::size_t n) {
+  if (kind == 1) {
+    for (std::size_t i = 0; i < n; ++i)
+      dst[i] = narrow_bf16(src[i]);
+  } else if (f16c) {
+    f32_to_f16_block(src, dst, n);
+  } else {
+    for (std::size_t i = 0; i < n; ++i)
+      dst[i] = float_to_f16(src[i]);
+  }
+}
+
+}  // namespace
+
+void adam_step(const AdamConfig& config, const Adam16Args& a) {
+  adam_step(config, a, adam_native_variant());
+}
+
+void adam_step(const AdamConfig& config, const Adam16Args& a, AdamVariant variant) {
+  STRATA_EXPECTS(a.step >= 1, "adam: step counts from 1, got ", a.step);
+  STRATA_EXPECTS(a.count == 0 || (a.params && a.exp_avg && a.exp_avg_sq && a.grads),
+                 "adam: a null buffer for ", a.count, " elements");
+  if (!adam_supports(variant))
+    STRATA_FAIL(Errc::unsupported, "adam: this CPU cannot run the ", isa_name(variant.isa),
+                variant.f16 == F16Path::f16c ? " variant with F16C" : " variant");
+  const int pk = kind_16(a.param_dtype, "16-bit params");
+  const int sk = a.state_dtype == DType::F32 ? 0 : kind_16(a.state_dtype, "the moments");
+  const int gk = grad_kind(a.grad_dtype);
+  const Scalars s = scalars(config, a.step);
+  const Kernel kernel = kernel_for(variant.isa);
+  const bool f16c = variant.f16 == F16Path::f16c;
+  const bool f16_blocks = (gk == 2 || pk == 2) && f16c;
+  tbb::parallel_for(
+      tbb::blocked_range<std::size_t>(0, a.count, kAdamChunkElements),
+      [&](const tbb::blocked_range<std::size_t>& r) {
+        constexpr std::size_t kBlock = 1024;
+        alignas(64) float p[kBlock], m[kBlock], v[kBlock];
+        for (std::size_t b = r.begin(); b < r.end(); b += kBlock) {
+          const std::size_t n = std::min(kBlock, r.end() - b);
+          auto* params = static_cast<std::uint16_t*>(a.params) + b;
+          widen(params, pk, f16c, p, n);
+          float* pm = m;
+          float* pv = v;
+          if (sk == 0) {
+            pm = static_cast<float*>(a.exp_avg) + b;
+            pv = static_cast<float*>(a.exp_avg_sq) + b;
+          } else {
+            widen(static_cast<const std::uint16_t*>(a.exp_avg) + b, sk, f16c, m, n);
+            widen(static_cast<const std::uint16_t*>(a.exp_avg_sq) + b, sk, f16c, v, n);
+          }
+          const void* grads =
+              static_cast<const std::byte*>(a.grads) + b * grad_bytes(a.grad_dtype);
+          if (f16_blocks)
+            f16_chunk(kernel, s, p, pm, pv, grads, gk, params, pk, n);
+          else
+            kernel(s, p, pm, pv, grads, gk, params, pk, n);
+          if (sk != 0) {
+            narrow(m, sk, f16c, static_cast<std::uint16_t*>(a.exp_avg) + b, n);
+            narrow(v, sk, f16c, static_cast<std::uint16_t*>(a.exp_avg_sq) + b, n);
+          }
+        }
       });
 }
 

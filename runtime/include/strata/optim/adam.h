@@ -41,6 +41,21 @@ struct AdamArgs {
   DType copy_dtype = DType::BF16;
 };
 
+/// Adam on parameters stored in 16 bits with no fp32 master copy (Note [Adam in 16 bits]):
+/// params BF16 or F16, the moments F32 or 16-bit (both the same dtype), gradients F32, BF16 or
+/// F16. Each block is widened to fp32, stepped by the same kernel and rounded back (nearest even).
+struct Adam16Args {
+  void* params = nullptr;
+  DType param_dtype = DType::BF16;
+  void* exp_avg = nullptr;
+  void* exp_avg_sq = nullptr;
+  DType state_dtype = DType::F32;
+  const void* grads = nullptr;
+  DType grad_dtype = DType::F32;
+  std::size_t count = 0;
+  std::uint64_t step = 1;
+};
+
 /// Elements per oneTBB task (grain size of the blocked range): 256 KiB of each fp32 state.
 inline constexpr std::size_t kAdamChunkElements = std::size_t{1} << 16;
 
@@ -61,6 +76,11 @@ void adam_step(const AdamConfig& config, const AdamArgs& args);
 /// The same with the variant forced: every variant computes the same bits (the tests check it).
 /// @throws strata::Error (unsupported) when this CPU cannot run `variant`.
 void adam_step(const AdamConfig& config, const AdamArgs& args, AdamVariant variant);
+/// One step over 16-bit params (Adam16Args), with all threads and the native variant.
+/// @throws strata::Error (invalid_argument) for null buffers, step 0 or unsupported dtypes.
+void adam_step(const AdamConfig& config, const Adam16Args& args);
+/// The same with the variant forced; every variant computes the same bits.
+void adam_step(const AdamConfig& config, const Adam16Args& args, AdamVariant variant);
 /// The plain scalar formula, element by element, in the kernel's fp32 operations.
 void adam_step_reference(const AdamConfig& config, const AdamArgs& args);
 

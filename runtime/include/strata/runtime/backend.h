@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -149,6 +150,11 @@ class Backend {
   virtual PinnedBuffer allocate_pinned(std::size_t bytes) = 0;
   virtual std::unique_ptr<Stream> create_stream(std::string name) = 0;
   virtual std::unique_ptr<Event> create_event() = 0;
+  /// Makes a stream this backend did not create wait for `event` without blocking the host: a
+  /// CUDA stream handle from another library (torch's current stream, DLPack's `stream`; 1 and
+  /// 2 are the legacy and per-thread default streams). The host backend has no foreign
+  /// streams: it waits on the host. Used by DLPack export (Note [DLPack and streams]).
+  virtual void wait_on_foreign_stream(Event& event, std::uintptr_t stream);
   /// A blocking copy through the plainest path (cudaMemcpy; memcpy on the host backend, paced
   /// like a stream copy). The reference the benchmarks compare streams against.
   virtual void copy(void* dst, const void* src, std::size_t bytes, CopyKind kind) = 0;
