@@ -414,6 +414,7 @@ NB_MODULE(_core, m) {
              rt.destroy_tensor(id);
            })
       .def("stats_json", &strata::Runtime::stats_json)
+      .def("residency_json", &strata::Runtime::residency_json)
       .def("export_trace",
            [](strata::Runtime& rt, const std::string& path) {
              nb::gil_scoped_release unlocked;

@@ -193,10 +193,8 @@ LeaseFuture Runtime::acquire(TensorId id, Tier tier, Access access) {
                      t.desc.name, "\" on ", to_string(tier), ": it is leased on ", to_string(other),
                      "; release that lease first");
   }
-  rt.ensure(lock, t, tier, /*count=*/true, access);
+  rt.ensure(lock, t, tier, /*count=*/true, access, /*prefetch=*/false, /*lease=*/true);
   Copy& c = t.copies[idx(tier)];
-  ++c.leases;  // no eviction now
-  if (writes(access)) ++c.write_leases;
   // A writer must not change bytes that a move is still copying out of this tier.
   if (writes(access)) rt.unpinned.wait(lock, [&] { return c.pins == 0; });
   c.last_use = ++rt.clock;
@@ -429,6 +427,37 @@ TierStats Runtime::tier_stats(Tier tier) const {
 TransferStats Runtime::transfer_stats() const {
   std::lock_guard lock(impl_->mutex);
   return statistics_->transfers();
+}
+
+std::string Runtime::residency_json() const {
+  using nlohmann::json;
+  static constexpr const char* kStates[] = {"absent", "loading", "valid", "evicting"};
+  std::lock_guard lock(impl_->mutex);
+  json tensors = json::array();
+  for (const auto& [id, t] : impl_->tensors) {
+    json copies = json::object();
+    for (Tier tier : {Tier::Device, Tier::Host, Tier::Nvme}) {
+      const residency::Copy& c = t->copies[residency::idx(tier)];
+      if (c.state == residency::CopyState::Absent && !c.has_space() && c.leases == 0) continue;
+      copies[std::string(to_string(tier))] = {
+          {"state", kStates[static_cast<int>(c.state)]},
+          {"version", c.version},
+          {"ready", c.ready},
+          {"leases", c.leases},
+          {"write_leases", c.write_leases},
+          {"pins", c.pins},
+          {"claimed_by", c.claimed_by},
+          {"error", c.error != nullptr},
+          {"event_ready", c.event ? c.event->ready() : true}};
+    }
+    tensors.push_back({{"id", id},
+                       {"name", t->desc.name},
+                       {"version", t->version},
+                       {"moves", t->moves},
+                       {"arriving", impl_->arrivals.contains(id)},
+                       {"copies", copies}});
+  }
+  return json{{"moves_in_flight", impl_->moves_in_flight}, {"tensors", tensors}}.dump();
 }
 
 std::string Runtime::stats_json() const {

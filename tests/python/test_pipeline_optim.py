@@ -1,6 +1,8 @@
 """strata.PrefetchPipeline (record, then replay with prefetch), acquire_async, and
 strata.optim.adam_step against torch.optim.Adam / AdamW."""
 
+import threading
+
 import numpy as np
 import pytest
 import strata
@@ -154,3 +156,77 @@ def test_adam_step_on_16_bit_params_is_torchs_fp32_step_rounded(param_dtype, sta
                 # computes m + (1 - b1)(g - m), strata b1 m + (1 - b1) g).
                 ulp = 2.0**-7 if sd == torch.bfloat16 else 2.0**-10
                 assert torch.allclose(mine.float(), theirs.float(), rtol=ulp, atol=1e-6)
+
+
+def test_a_pipeline_over_many_mapped_tensors_in_a_tight_budget_never_loses_a_lease(tmp_path):
+    # Note [A lease is taken before the unlock]: blocks of a model (an embedding, five layers of
+    # nine tensors, a norm, a head) mapped from a safetensors file, leased through the pipeline
+    # in budgets of a third of it while torch computes. Before the fix an acquire counted its
+    # lease after the unlock that submits its load's I/O, the planner evicted the landed copy
+    # meanwhile, and begin_step waited forever: this loop hung in 5 runs of 6 (this test: 1 of 4). A hang fails the
+    # test (the loop runs in a thread joined with a generous limit); every step checks its bytes.
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(8)
+    shapes = {"embed": (2048, 96)}
+    for layer in range(5):
+        for name, shape in {
+            "q": (96, 96),
+            "k": (48, 96),
+            "v": (48, 96),
+            "o": (96, 96),
+            "gate": (256, 96),
+            "up": (256, 96),
+            "down": (96, 256),
+            "ln1": (96,),
+            "ln2": (96,),
+        }.items():
+            shapes[f"l{layer}.{name}"] = shape
+    shapes["norm"] = (96,)
+    shapes["head"] = (2048, 96)
+    arrays = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    save_file(arrays, str(tmp_path / "model.safetensors"))
+    budget = sum(a.nbytes for a in arrays.values()) // 3
+    rt = strata.Runtime(
+        {
+            "backend": "host",
+            "device_budget": budget,
+            "host_budget": budget,
+            "quiet": True,
+            "nvme": {"paths": [str(tmp_path)], "capacity": "4MiB"},
+        }
+    )
+    tensors = strata.safetensors.map(rt, tmp_path / "model.safetensors")
+    blocks = [["embed"]] + [
+        [f"l{i}.{n}" for n in ("q", "k", "v", "o", "gate", "up", "down", "ln1", "ln2")]
+        for i in range(5)
+    ]
+    blocks += [["norm"], ["head"]]
+    pipe = strata.PrefetchPipeline(rt)
+    failure = []
+
+    def run():
+        try:
+            x = torch.randn(64, 96)
+            for _ in range(400):
+                with pipe.iteration():
+                    for b, names in enumerate(blocks):
+                        uses = [(tensors[n], T.DEVICE, A.READ) for n in names]
+                        with pipe.step(f"block{b}", uses) as leases:
+                            for n, lease in zip(names, leases):
+                                got = torch.from_dlpack(lease)
+                                if not torch.equal(got, torch.from_numpy(arrays[n])):
+                                    failure.append(f"{n}: wrong bytes")
+                                    return
+                                del got  # an array keeps its lease (and its copy) alive
+                            x = torch.tanh(x @ torch.randn(96, 96))
+        except Exception as e:  # noqa: BLE001 (reported below)
+            failure.append(repr(e))
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(timeout=300)
+    assert not worker.is_alive(), "the pipeline hung: " + rt._core.residency_json()[:2000]
+    assert failure == []
+    assert pipe.stats()["prefetches"] > 0
+    assert rt.stats()["tiers"]["Device"]["peak_bytes"] <= budget

@@ -278,9 +278,10 @@ struct Runtime::Impl {
   bool discard(std::unique_lock<std::mutex>& lock, TensorState& t, Lease* own);
   // Makes `tier` hold (or receive) the tensor's newest bytes (starting a move if needed);
   // returns with space reserved. `access` Write only makes space (write-discard); `prefetch`
-  // requests are dropped for discarded tensors instead of failing.
+  // requests are dropped for discarded tensors instead of failing. `lease`: the copy is leased
+  // (Note [A lease is taken before the unlock]).
   void ensure(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier, bool count,
-              Access access, bool prefetch = false);
+              Access access, bool prefetch = false, bool lease = false);
 };
 
 }  // namespace strata

@@ -51,8 +51,20 @@ bool Runtime::Impl::discard(std::unique_lock<std::mutex>& lock, TensorState& t, 
   return true;
 }
 
+// Note [A lease is taken before the unlock]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// An acquire's lease is counted on the copy before ensure() lets go of the lock. Starting a
+// load ends by unlocking to submit its I/O; counted after that, the lease came too late when
+// the load landed at once (a host memcpy) and another thread's make_room evicted the unleased
+// copy meanwhile: the lease then sat on an absent copy and LeaseFuture::get waited forever
+// (stream_inference-like loops under the prefetch pipeline hung about one run in two).
 void Runtime::Impl::ensure(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier,
-                           bool count, Access access, bool prefetch) {
+                           bool count, Access access, bool prefetch, bool lease) {
+  const auto take = [&](Copy& c) {
+    if (!lease) return;
+    ++c.leases;  // no eviction now
+    if (writes(access)) ++c.write_leases;
+  };
   for (;;) {
     Copy& c = t.copies[idx(tier)];
     if (c.state == CopyState::Evicting ||
@@ -62,11 +74,13 @@ void Runtime::Impl::ensure(std::unique_lock<std::mutex>& lock, TensorState& t, T
     }
     if (c.state == CopyState::Loading) {
       if (count) requested(t, tier, true);  // already on its way (a prefetch hit)
+      take(c);
       return;
     }
     if (t.current(tier)) {
       if (count) requested(t, tier, true);
       c.ready = true;
+      take(c);
       return;
     }
     if (access == Access::Write || t.discarded) {
@@ -89,6 +103,7 @@ void Runtime::Impl::ensure(std::unique_lock<std::mutex>& lock, TensorState& t, T
       fresh.error = nullptr;
       fresh.event.reset();
       fresh.last_use = ++clock;
+      take(fresh);
       return;
     }
     // A write lease on a copy still finishing its load makes that copy the only current one
@@ -124,6 +139,7 @@ void Runtime::Impl::ensure(std::unique_lock<std::mutex>& lock, TensorState& t, T
       continue;
     start_load(lock, t, tier, source_for(t, tier));
     t.copies[idx(tier)].last_use = ++clock;  // a prefetch announces a use: not LRU's victim
+    take(t.copies[idx(tier)]);
     run_after_unlock(lock);
     return;
   }

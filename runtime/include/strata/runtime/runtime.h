@@ -212,6 +212,9 @@ class Runtime {
   /// Bytes moved so far, per path (which tier to which).
   [[nodiscard]] TransferStats transfer_stats() const;
   [[nodiscard]] std::string stats_json() const;
+  /// Every tensor's copies as JSON (state, version, ready, leases, pins, claims, moves in
+  /// flight, arrivals in pieces): what to look at when a wait does not end.
+  [[nodiscard]] std::string residency_json() const;
   void set_eviction_policy(std::shared_ptr<EvictionPolicy> policy);
 
   [[nodiscard]] Backend& backend() noexcept;
