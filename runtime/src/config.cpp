@@ -29,11 +29,12 @@ void RuntimeOptions::validate() const {
   // cannot hold the smallest one is refused.
   const std::size_t min_chunk = std::min(staging_chunk_bytes, kMinStagingChunkBytes);
   const unsigned min_slots = std::min(staging_chunks, kMinStagingChunks);
-  STRATA_EXPECTS(host_budget_bytes >= min_chunk * min_slots + io.block_size,
-                 "host_budget: ", host_budget_bytes, " bytes (", format_bytes(host_budget_bytes),
+  const std::size_t min_block = std::min(io.block_size, kMinStagingChunkBytes);
+  STRATA_EXPECTS(host_budget_bytes >= min_chunk * min_slots + min_block, "host_budget: ",
+                 host_budget_bytes, " bytes (", format_bytes(host_budget_bytes),
                  ") is smaller than the smallest staging area (", min_slots, " x ",
-                 format_bytes(min_chunk), ") plus one I/O block (", format_bytes(io.block_size),
-                 ")");
+                 format_bytes(min_chunk), ") plus the smallest I/O block (",
+                 format_bytes(min_block), ")");
   STRATA_EXPECTS(trace_events >= 16, "trace_events: ", trace_events, " is below 16");
   if (!nvme.paths.empty()) {
     nvme.validate();
@@ -49,13 +50,19 @@ void RuntimeOptions::validate() const {
 // The staging area (staging_chunks slots of staging_chunk bytes at the start of the pinned slab)
 // and one I/O block must fit the host budget. When the configured area does not, it is shrunk
 // until it takes at most half of what the budget leaves after the block: the chunk halves down
-// to 256 KiB, then the slots drop to 2, then the chunk halves down to 64 KiB. A small host
-// budget then runs, with smaller transfers (slower, and correct); validate() refuses only a
-// budget that cannot hold two 64 KiB slots and the block. Areas that fit are left as they are.
+// to 256 KiB, then the slots drop to 2, then the chunk halves down to 64 KiB. The I/O block
+// (the bounce buffer a request may need) first halves, down to 64 KiB, until it takes at most a
+// quarter of the budget. A small host budget then runs, with smaller transfers (slower, and
+// correct); validate() refuses only a budget that cannot hold two 64 KiB slots and a 64 KiB
+// block. Areas that fit are left as they are.
 std::string RuntimeOptions::fit_staging_to_budget() {
   if (staging_chunk_bytes * staging_chunks + io.block_size <= host_budget_bytes) return {};
   const std::size_t was_chunk = staging_chunk_bytes;
   const unsigned was_slots = staging_chunks;
+  const std::size_t was_block = io.block_size;
+  while (io.block_size > kMinStagingChunkBytes && io.block_size * 4 > host_budget_bytes)
+    io.block_size =
+        std::max(kMinStagingChunkBytes, io.block_size / 2 / kPageBytes * kPageBytes);
   const std::size_t limit =
       host_budget_bytes > io.block_size ? (host_budget_bytes - io.block_size) / 2 : 0;
   const auto halve = [&] {  // stays a multiple of 4 KiB (validate() refuses anything else)
@@ -74,10 +81,11 @@ std::string RuntimeOptions::fit_staging_to_budget() {
   }
   // Still too large (a budget between the smallest area and half of it): the smallest area.
   return detail::concat("the staging area (", was_slots, " x ", format_bytes(was_chunk),
-                        ") plus one I/O block (", format_bytes(io.block_size),
+                        ") plus one I/O block (", format_bytes(was_block),
                         ") does not fit host_budget ", format_bytes(host_budget_bytes), ": using ",
-                        staging_chunks, " x ", format_bytes(staging_chunk_bytes),
-                        " (smaller NVMe <-> device transfers)");
+                        staging_chunks, " x ", format_bytes(staging_chunk_bytes), " and ",
+                        format_bytes(io.block_size),
+                        " I/O blocks (smaller NVMe <-> device transfers)");
 }
 
 namespace {

@@ -751,18 +751,27 @@ TEST_F(RuntimeTest, AHostBudgetSmallerThanTheStagingAreaShrinksItAndStreamsExact
   auto rt = std::make_unique<Runtime>(o);
   const RuntimeOptions& used = rt->options();
   EXPECT_EQ(used.staging_chunks, 4u);
-  EXPECT_EQ(used.staging_chunk_bytes, 256 * KiB);  // 4 x 256 KiB <= (3 MiB - 1 MiB) / 2
+  EXPECT_EQ(used.io.block_size, 512 * KiB);        // at most a quarter of the budget
+  EXPECT_EQ(used.staging_chunk_bytes, 256 * KiB);  // 4 x 256 KiB <= (3 MiB - 512 KiB) / 2
   const auto a = pattern(6 * MiB + 123, 21);       // larger than the whole host budget
   const TensorId t = rt->create_tensor(desc("big", a.size()), Tier::Nvme, a.data());
   EXPECT_EQ(leased_bytes(rt->acquire(t, Tier::Device, Access::Read).get()), a);
   EXPECT_EQ(rt->transfer_stats().bytes_nvme_to_device, a.size());  // through the staging slots
-  // Only a budget that cannot hold two 64 KiB slots and the block is refused, saying so.
+  // A budget of 1 MiB + 64 KiB, refused before: smaller blocks, and still every byte right.
   o.host_budget_bytes = 1 * MiB + 64 * KiB;
+  rt = std::make_unique<Runtime>(o);
+  EXPECT_EQ(rt->options().io.block_size, 256 * KiB);
+  const TensorId u = rt->create_tensor(desc("big", a.size()), Tier::Nvme, a.data());
+  EXPECT_EQ(leased_bytes(rt->acquire(u, Tier::Device, Access::Read).get()), a);
+  rt.reset();
+  // Only a budget that cannot hold two 64 KiB slots and a 64 KiB block is refused, saying so.
+  o.host_budget_bytes = 160 * KiB;
   try {
     Runtime refused(o);
     ADD_FAILURE() << "a host budget below the smallest staging area was accepted";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("smallest staging area (2 x 64.00 KiB)"),
+    EXPECT_NE(std::string(e.what()).find("smallest staging area (2 x 64.00 KiB) plus the "
+                                         "smallest I/O block (64.00 KiB)"),
               std::string::npos)
         << e.what();
   }
