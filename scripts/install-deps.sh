@@ -24,7 +24,8 @@ fi
 echo "install-deps: all ${#packages[@]} packages present"
 # The Python side lives in a virtual environment (Debian's own python is externally managed):
 # numpy, safetensors and torch for the Python package's tests and the interop examples, pytest,
-# and nanobind and scikit-build-core to build the binding (strata._core). torch is large (about
+# nanobind and scikit-build-core to build the binding (strata._core), transformers for
+# strata.torch's models and accelerate, the peer bench/hf-vs-accelerate.py compares against. torch is large (about
 # 5 GB with its CUDA libraries), so the environment is made once per machine, under
 # ~/.cache/strata (or $STRATA_VENV), and the repository's .venv links to it; a .venv that is
 # already a real environment is used as it is. Tests run with .venv/bin/python (CMake's
@@ -37,11 +38,11 @@ else
   mkdir -p "$(dirname "$venv")"
   ln -sfn "$venv" "$root/.venv"
 fi
-python_packages=(numpy safetensors pytest nanobind scikit-build-core torch)
+python_packages=(numpy safetensors pytest nanobind scikit-build-core torch transformers accelerate)
 if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv" || { echo "install-deps: python3 -m venv $venv failed" >&2; exit 1; }
 fi
-if ! "$venv/bin/python" -c "import numpy, safetensors, pytest, nanobind, scikit_build_core, torch" 2>/dev/null; then
+if ! "$venv/bin/python" -c "import numpy, safetensors, pytest, nanobind, scikit_build_core, torch, transformers, accelerate" 2>/dev/null; then
   echo "install-deps: installing ${python_packages[*]} into $venv (torch takes minutes, once)"
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "${python_packages[@]}" ||
     { echo "install-deps: pip install ${python_packages[*]} into $venv failed" >&2; exit 1; }

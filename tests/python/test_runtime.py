@@ -277,6 +277,5 @@ def test_a_cuda_lease_makes_the_consumers_stream_wait(tmp_path):
         total = x.double().sum()
     torch.cuda.synchronize()
     assert total.item() == pytest.approx(float(data.astype(np.float64).sum()), rel=1e-12)
-    with rt.acquire(t, T.DEVICE) as lease:
-        with pytest.raises(BufferError, match="ambiguous"):
-            lease.__dlpack__(stream=0)
+    with rt.acquire(t, T.DEVICE) as lease, pytest.raises(BufferError, match="ambiguous"):
+        lease.__dlpack__(stream=0)

@@ -1,0 +1,31 @@
+"""strata for PyTorch: models larger than memory, their weights streamed from safetensors.
+
+::
+
+    import strata.torch as st
+    model = st.load_model("path/to/checkpoint", device="cpu", device_budget="2GiB",
+                          host_budget="4GiB")            # a transformers model, ready
+    logits = model(input_ids).logits
+    ids = model.generate(input_ids, max_new_tokens=32)
+    st.offload(module, checkpoint="weights.safetensors", device="cpu")  # any nn.Module
+
+Every parameter stays in its file (mapped in place, read with O_DIRECT) until its block runs;
+the prefetch pipeline brings the next blocks while the current one computes. See the README's
+section "Run a Hugging Face model larger than memory".
+"""
+
+from ._checkpoint import checkpoint_files, map_checkpoint
+from ._load import load_model, parameters_on_meta
+from ._offload import Block, Offloaded, find_blocks, make_runtime, offload
+
+__all__ = [
+    "Block",
+    "Offloaded",
+    "checkpoint_files",
+    "find_blocks",
+    "load_model",
+    "make_runtime",
+    "map_checkpoint",
+    "offload",
+    "parameters_on_meta",
+]

@@ -1,0 +1,445 @@
+"""Running a torch.nn.Module whose parameters live in a strata Runtime (Note [Blocks]).
+
+offload() leaves each parameter as a placeholder that holds no bytes and hooks the module's
+blocks: a block's forward leases its tensors on the device tier through the prefetch pipeline,
+puts them in as the parameters, and gives them back when the forward ends. The pipeline
+records the first forward of the model and prefetches the next blocks within the budgets
+while the current one computes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import torch
+from torch import nn
+
+from .._core import Access, Tier
+from .._errors import InvalidArgumentError, NotFoundError, OutOfMemoryError, UnsupportedError
+from .._pipeline import PrefetchPipeline
+from .._runtime import Lease, Runtime, Tensor
+from ._checkpoint import Checkpoint, MappedTensor, checkpoint_files, map_checkpoint
+
+# Note [Blocks]
+# ~~~~~~~~~~~~~
+# A block is the unit that is leased for one forward: each layer of the model's layer list (its
+# largest nn.ModuleList by parameter count), and every other submodule with parameters that does
+# not contain that list (the embedding, the final norm, the head). Blocks run one after another;
+# a block called while another is open is an error naming both. The model's own forward is one
+# iteration of the prefetch pipeline, so generate() repeats the same steps for every token.
+# A parameter outside a forward is a placeholder on the right device with the right dtype and
+# shape, holding one NaN broadcast to that shape (model.device and model.dtype stay right, and a
+# use of it outside its block's forward shows as NaN rather than as plausible numbers).
+
+Budget = Union[str, int]
+
+_TORCH_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a strata Tensor's dtype name."""
+    return _TORCH_DTYPES[name]
+
+
+def make_runtime(
+    device: str | torch.device,
+    device_budget: Budget,
+    host_budget: Budget,
+    nvme_dir: str | os.PathLike[str] | None = None,
+    nvme_capacity: Budget = "16GiB",
+) -> Runtime:
+    """A Runtime for `device`: the host backend for "cpu" (the device tier is a CPU arena of
+    `device_budget`), the CUDA backend for "cuda"/"cuda:N". `nvme_dir`, when given, holds
+    `nvme_capacity` of swap space for tensors that are written (mapped weights never are);
+    without it a 4 MiB swap lives in a private temporary directory."""
+    dev = torch.device(device)
+    config: dict[str, Any] = {
+        "device_budget": device_budget,
+        "host_budget": host_budget,
+    }
+    if dev.type == "cpu":
+        config["backend"] = "host"
+    elif dev.type == "cuda":
+        config["backend"] = "cuda"
+        config["device_ordinal"] = dev.index or 0
+    else:
+        raise UnsupportedError(f"device {str(dev)!r}: strata runs on 'cpu' or 'cuda'")
+    scratch = None
+    if nvme_dir is None:
+        # Mapped weights are read from their files and never written: the NVMe tier only needs
+        # to exist (it owns the io engine). Its swap goes in a private directory, removed with
+        # the runtime.
+        scratch = tempfile.mkdtemp(prefix="strata-swap-")
+        nvme_dir, nvme_capacity = scratch, "4MiB"
+    config["nvme"] = {"paths": [os.fspath(nvme_dir)], "capacity": nvme_capacity}
+    config["quiet"] = True
+    try:
+        runtime = Runtime(config)
+    except BaseException:
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    if scratch:
+        weakref.finalize(runtime, shutil.rmtree, scratch, True)
+    return runtime
+
+
+@dataclass
+class _Slot:
+    """One parameter of a block: where it sits and which runtime tensor fills it."""
+
+    owner: nn.Module
+    name: str
+    use: int  # index into the block's uses (a tensor tied twice in a block is leased once)
+    shape: torch.Size
+    dtype: torch.dtype
+    placeholder: nn.Parameter
+
+
+@dataclass
+class Block:
+    """A module leased as one step: its name, its parameters' tensors and their bytes."""
+
+    name: str
+    module: nn.Module
+    tensors: list[Tensor] = field(default_factory=list)
+    slots: list[_Slot] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def _find_layers(root: nn.Module) -> nn.ModuleList | None:
+    best, best_count = None, 0
+    for m in root.modules():
+        if isinstance(m, nn.ModuleList) and len(m) > 1:
+            count = sum(p.numel() for p in m.parameters())
+            if count > best_count:
+                best, best_count = m, count
+    return best
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def find_blocks(root: nn.Module, names: Sequence[str] | None = None) -> list[tuple[str, nn.Module]]:
+    """The blocks of `root` (Note [Blocks]), or the submodules `names` when given."""
+    if names is not None:
+        modules = dict(root.named_modules())
+        missing = [n for n in names if n not in modules]
+        if missing:
+            raise NotFoundError(f"blocks: the module has no submodule {missing[0]!r}")
+        return [(n, modules[n]) for n in names]
+    layers = _find_layers(root)
+    out: list[tuple[str, nn.Module]] = []
+
+    def visit(prefix: str, m: nn.Module) -> None:
+        if m is layers:
+            out.extend((_join(prefix, n), child) for n, child in m.named_children())
+            return
+        container = m is root or any(x is layers for x in m.modules())
+        if not container:
+            if next(m.parameters(), None) is not None:
+                out.append((prefix, m))
+            return
+        own = [n for n, p in m._parameters.items() if p is not None]
+        if own:
+            raise UnsupportedError(
+                f"module {prefix or type(m).__name__!r} holds parameters {own} itself and "
+                "contains the other blocks; pass blocks=[...] naming the submodules to lease"
+            )
+        for n, child in m.named_children():
+            visit(_join(prefix, n), child)
+
+    visit("", root)
+    return out
+
+
+def _placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    fill = math.nan if dtype.is_floating_point else 0
+    return nn.Parameter(torch.full((), fill, dtype=dtype, device=device).expand(shape), False)
+
+
+class Offloaded:
+    """What offload() did to a module: its runtime, prefetch pipeline and blocks.
+
+    ``stats()`` gives the pipeline's and the runtime's counters; ``remove()`` takes the hooks
+    off and destroys the tensors offload() mapped (the module's parameters stay placeholders).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        runtime: Runtime,
+        pipeline: PrefetchPipeline,
+        blocks: list[Block],
+        owned: list[Tensor],
+        device: torch.device,
+    ) -> None:
+        self.module = module
+        self.runtime = runtime
+        self.pipeline = pipeline
+        self.blocks = blocks
+        self.device = device
+        self._owned = owned
+        self._hooks: list[Any] = []
+        self._depth = 0  # nested calls of the root module
+        self._open: tuple[Block, list[Lease]] | None = None
+        self._implicit_iteration = False
+
+    # The root's forward is one iteration.
+    def _begin_iteration(self, *_: Any) -> None:
+        self._depth += 1
+        if self._depth == 1:
+            self.pipeline._core.begin_iteration()
+
+    def _end_iteration(self, *_: Any) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            if self._open is not None:  # a block's forward raised and left its step open
+                self._end_block(self._open[0])
+            self.pipeline._core.end_iteration()
+
+    def _begin_block(self, block: Block) -> None:
+        if self._open is not None:
+            raise InvalidArgumentError(
+                f"strata.torch: block {block.name!r} was called inside block "
+                f"{self._open[0].name!r}; blocks must run one after another (pass blocks=[...])"
+            )
+        if self._depth == 0:  # called on its own, outside the model's forward
+            self.pipeline._core.begin_iteration()
+            self._implicit_iteration = True
+        uses = [(t.id, Tier.DEVICE, Access.READ) for t in block.tensors]
+        cores = self.pipeline._core.begin_step(block.name, uses)
+        leases = [Lease(c, t) for c, t in zip(cores, block.tensors)]
+        self._open = (block, leases)
+        views = [torch.from_dlpack(lease) for lease in leases]
+        for slot in block.slots:
+            t = views[slot.use]
+            if t.dtype != slot.dtype:
+                t = t.to(slot.dtype)
+            slot.owner._parameters[slot.name] = nn.Parameter(t.view(slot.shape), False)
+
+    def _end_block(self, block: Block) -> None:
+        if self._open is None or self._open[0] is not block:
+            return
+        _, leases = self._open
+        self._open = None
+        for slot in block.slots:
+            slot.owner._parameters[slot.name] = slot.placeholder
+        for lease in leases:
+            lease.release()
+        self.pipeline._core.end_step()
+        if self._implicit_iteration:
+            self._implicit_iteration = False
+            self.pipeline._core.end_iteration()
+
+    def _install(self) -> None:
+        root = self.module
+        self._hooks.append(root.register_forward_pre_hook(self._begin_iteration))
+        self._hooks.append(root.register_forward_hook(self._end_iteration, always_call=True))
+        for block in self.blocks:
+
+            def pre(_m: nn.Module, _args: Any, block: Block = block) -> None:
+                self._begin_block(block)
+
+            def post(_m: nn.Module, _args: Any, _out: Any, block: Block = block) -> None:
+                self._end_block(block)
+
+            self._hooks.append(block.module.register_forward_pre_hook(pre))
+            self._hooks.append(block.module.register_forward_hook(post, always_call=True))
+
+    def stats(self) -> dict[str, Any]:
+        """{"pipeline": prefetches, on-demand loads, steps ...; "runtime": per-tier counters}."""
+        return {"pipeline": self.pipeline.stats(), "runtime": self.runtime.stats()}
+
+    def remove(self) -> None:
+        """Takes the hooks off and destroys the tensors offload() mapped."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        for t in self._owned:
+            self.runtime.destroy(t)
+        self._owned.clear()
+
+    def __repr__(self) -> str:
+        total = sum(b.nbytes for b in self.blocks)
+        return (
+            f"<strata.torch.Offloaded {type(self.module).__name__}: {len(self.blocks)} blocks, "
+            f"{total / 2**20:.1f} MiB on {self.device}>"
+        )
+
+
+def _resolve(
+    qualnames: Sequence[str], tensors: Mapping[str, MappedTensor], prefix: str
+) -> MappedTensor | None:
+    """The checkpoint tensor of a parameter known by `qualnames` (several when tied), trying
+    each with and without the model's base prefix (``model.``, ``transformer.``)."""
+    for q in qualnames:
+        for name in (q, q.removeprefix(prefix + ".") if prefix else q, _join(prefix, q)):
+            if name in tensors:
+                return tensors[name]
+    return None
+
+
+def _device_budget(runtime: Runtime) -> int:
+    tiers = runtime.stats().get("tiers", {})
+    for key, value in tiers.items():
+        if key.lower() == "device":
+            return int(value["capacity_bytes"])
+    return 0
+
+
+def offload(
+    module: nn.Module,
+    checkpoint: Checkpoint | Mapping[str, Tensor] | None = None,
+    *,
+    runtime: Runtime | None = None,
+    device: str | torch.device = "cpu",
+    device_budget: Budget = "2GiB",
+    host_budget: Budget = "4GiB",
+    nvme_dir: str | os.PathLike[str] | None = None,
+    dtype: torch.dtype | None = None,
+    prefetch: str = "auto",
+    blocks: Sequence[str] | None = None,
+) -> Offloaded:
+    """Runs `module` with its parameters in a strata Runtime, leased block by block.
+
+    `checkpoint` is a safetensors checkpoint (a directory, a file or a list of files; its
+    tensors are mapped in place) or a mapping of parameter names to tensors already in
+    `runtime`. Names follow ``module.state_dict()``; tied parameters may appear once. `runtime`
+    defaults to a new one for `device` with the budgets (strings with units or bytes). `dtype`
+    converts floating parameters as they are leased (default: the file's dtype). Persistent
+    buffers found in the checkpoint are copied into the module once; the others stay as built.
+
+    Every parameter must be found with the right shape, and every block must fit the device
+    budget, before anything runs: otherwise NotFoundError, InvalidArgumentError or
+    OutOfMemoryError name the tensor (and file) or block and the sizes, and the tensors mapped
+    so far are destroyed. Returns the Offloaded handle (also at ``module.strata``).
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", 0)
+    if runtime is None:
+        runtime = make_runtime(dev, device_budget, host_budget, nvme_dir)
+    owned: list[Tensor] = []
+    if checkpoint is None:
+        raise InvalidArgumentError("offload: give a checkpoint (path or files) or tensors")
+    if isinstance(checkpoint, Mapping):
+        tensors = {
+            n: MappedTensor(t, getattr(t, "path", None) or "<runtime>")
+            for n, t in checkpoint.items()
+        }
+    else:
+        tensors = map_checkpoint(runtime, checkpoint_files(checkpoint))
+        owned = [m.tensor for m in tensors.values()]
+    try:
+        prefix = getattr(module, "base_model_prefix", "") or ""
+        # Every name a parameter object goes by (tied weights have several).
+        names_of: dict[int, list[str]] = {}
+        for qualname, p in module.named_parameters(remove_duplicate=False):
+            names_of.setdefault(id(p), []).append(qualname)
+        found: list[Block] = []
+        budget = _device_budget(runtime)
+        for block_name, block_module in find_blocks(module, blocks):
+            block = Block(block_name, block_module)
+            index_of: dict[int, int] = {}
+            for local, p in block_module.named_parameters(remove_duplicate=False):
+                qualnames = names_of[id(p)]
+                mapped = _resolve(qualnames, tensors, prefix)
+                if mapped is None:
+                    raise NotFoundError(
+                        f"parameter {qualnames[0]!r} {tuple(p.shape)} is in none of the "
+                        f"checkpoint's files ({_files(tensors)})"
+                    )
+                if tuple(mapped.tensor.shape) != tuple(p.shape):
+                    raise InvalidArgumentError(
+                        f"tensor {mapped.tensor.name!r} in {str(mapped.path)!r} has shape "
+                        f"{tuple(mapped.tensor.shape)}, parameter {qualnames[0]!r} of the model "
+                        f"{tuple(p.shape)}"
+                    )
+                use = index_of.setdefault(mapped.tensor.id, len(block.tensors))
+                if use == len(block.tensors):
+                    block.tensors.append(mapped.tensor)
+                file_dtype = torch_dtype(mapped.tensor.dtype)
+                target = dtype if (dtype is not None and file_dtype.is_floating_point) else None
+                param_dtype = target or file_dtype
+                owner_name, _, attr = local.rpartition(".")
+                owner = block_module.get_submodule(owner_name)
+                block.slots.append(
+                    _Slot(
+                        owner,
+                        attr,
+                        use,
+                        p.shape,
+                        param_dtype,
+                        _placeholder(p.shape, param_dtype, dev),
+                    )
+                )
+            if budget and block.nbytes > budget:
+                raise OutOfMemoryError(
+                    f"block {block_name!r} needs {block.nbytes} bytes "
+                    f"({block.nbytes / 2**20:.1f} MiB) on the device tier, the device budget is "
+                    f"{budget} bytes ({budget / 2**20:.1f} MiB): raise device_budget"
+                )
+            found.append(block)
+        _copy_buffers(module, tensors, prefix, runtime, dev)
+    except BaseException:
+        for t in owned:
+            runtime.destroy(t)
+        raise
+    for block in found:
+        for slot in block.slots:
+            slot.owner._parameters[slot.name] = slot.placeholder
+    handle = Offloaded(module, runtime, PrefetchPipeline(runtime, prefetch), found, owned, dev)
+    handle._install()
+    module.__dict__["strata"] = handle
+    return handle
+
+
+def _files(tensors: Mapping[str, MappedTensor]) -> str:
+    files = sorted({str(m.path) for m in tensors.values()})
+    return ", ".join(files[:4]) + (f" and {len(files) - 4} more" if len(files) > 4 else "")
+
+
+def _copy_buffers(
+    module: nn.Module,
+    tensors: Mapping[str, MappedTensor],
+    prefix: str,
+    runtime: Runtime,
+    device: torch.device,
+) -> None:
+    """Persistent buffers found in the checkpoint are read into the module (they are small);
+    every buffer moves to `device`."""
+    for qualname, buf in module.named_buffers():
+        owner_name, _, attr = qualname.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        mapped = None
+        if attr not in owner._non_persistent_buffers_set:
+            mapped = _resolve([qualname], tensors, prefix)
+        if mapped is not None:
+            with runtime.acquire(mapped.tensor, Tier.HOST, Access.READ) as lease:
+                value = torch.from_dlpack(lease).clone().view(buf.shape).to(buf.dtype)
+            owner._buffers[attr] = value.to(device)
+        elif buf.device != device:
+            owner._buffers[attr] = buf.to(device)
