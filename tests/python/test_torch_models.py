@@ -14,7 +14,12 @@ import strata
 import strata.torch as st
 import torch
 import transformers
+from conftest import BACKEND
 from safetensors.torch import load_file, save_file
+
+# STRATA_TEST_BACKEND=cuda (bench/gpu-check.sh): the same tests with device="cuda", against the
+# reference moved to the GPU (the same kernels on both sides, so still bit for bit).
+DEVICE = "cuda" if BACKEND == "cuda" else "cpu"
 
 
 def _families():
@@ -66,7 +71,7 @@ def _model_bytes(path):
 
 def _reference(path, dtype=None):
     kwargs = {"dtype": dtype} if dtype is not None else {}
-    return transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs).eval().to(DEVICE)
 
 
 def _third(path):
@@ -79,9 +84,9 @@ def test_logits_and_greedy_tokens_equal_from_pretrained_with_a_third_of_the_mode
 ):
     path = checkpoints[family]
     budget = _third(path)
-    model = st.load_model(path, device_budget=budget, host_budget=budget)
+    model = st.load_model(path, device=DEVICE, device_budget=budget, host_budget=budget)
     ref = _reference(path, torch.float32)
-    ids = torch.randint(0, 2048, (2, 24), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(0, 2048, (2, 24), generator=torch.Generator().manual_seed(5)).to(DEVICE)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref(ids).logits)
         ours = model.generate(ids[:1], max_new_tokens=10, do_sample=False)
@@ -101,7 +106,9 @@ def test_logits_and_greedy_tokens_equal_from_pretrained_with_a_third_of_the_mode
 
 
 def test_blocks_are_the_layers_and_the_modules_around_them(checkpoints):
-    model = st.load_model(checkpoints["gpt2"], device_budget="8MiB", host_budget="8MiB")
+    model = st.load_model(
+        checkpoints["gpt2"], device=DEVICE, device_budget="8MiB", host_budget="8MiB"
+    )
     names = [b.name for b in model.strata.blocks]
     assert names == [
         "transformer.wte",
@@ -117,21 +124,23 @@ def test_blocks_are_the_layers_and_the_modules_around_them(checkpoints):
     # Outside a forward a parameter holds no bytes of its own: a NaN broadcast to its shape.
     w = model.transformer.h[0].mlp.c_fc.weight
     assert w.shape == (96, 384) and w.stride() == (0, 0) and torch.isnan(w[0, 0])
-    assert model.device == torch.device("cpu") and model.dtype == torch.float32
+    assert model.device.type == DEVICE and model.dtype == torch.float32
 
 
 def test_a_bf16_checkpoint_and_dtype_conversion(checkpoints):
-    ids = torch.randint(0, 2048, (1, 16), generator=torch.Generator().manual_seed(6))
+    ids = torch.randint(0, 2048, (1, 16), generator=torch.Generator().manual_seed(6)).to(DEVICE)
     bf16 = checkpoints["llama-bf16"]
     budget = _third(bf16)
     with torch.no_grad():
         # The file's dtype by default, as from_pretrained.
-        model = st.load_model(bf16, device_budget=budget, host_budget=budget)
+        model = st.load_model(bf16, device=DEVICE, device_budget=budget, host_budget=budget)
         assert model.dtype == torch.bfloat16
         assert torch.equal(model(ids).logits, _reference(bf16)(ids).logits)
         # fp32 weights converted to bf16 as they are leased, as from_pretrained(dtype=) does.
         f32 = checkpoints["llama"]
-        model = st.load_model(f32, device_budget="4MiB", host_budget="4MiB", dtype="bfloat16")
+        model = st.load_model(
+            f32, device=DEVICE, device_budget="4MiB", host_budget="4MiB", dtype="bfloat16"
+        )
         ref = _reference(f32, torch.bfloat16)
         assert torch.equal(model(ids).logits, ref(ids).logits)
 
