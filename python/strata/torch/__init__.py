@@ -8,12 +8,14 @@
     logits = model(input_ids).logits
     ids = model.generate(input_ids, max_new_tokens=32)
     st.offload(module, checkpoint="weights.safetensors", device="cpu")  # any nn.Module
+    opt = st.optim.AdamW(model.parameters(), lr=1e-3, offload="nvme", nvme_dir="/mnt/nvme0")
 
 Every parameter stays in its file (mapped in place, read with O_DIRECT) until its block runs;
 the prefetch pipeline brings the next blocks while the current one computes. See the README's
 section "Run a Hugging Face model larger than memory".
 """
 
+from . import optim
 from ._checkpoint import checkpoint_files, map_checkpoint
 from ._load import load_model, parameters_on_meta
 from ._offload import Block, Offloaded, find_blocks, make_runtime, offload
@@ -27,5 +29,6 @@ __all__ = [
     "make_runtime",
     "map_checkpoint",
     "offload",
+    "optim",
     "parameters_on_meta",
 ]
