@@ -8,8 +8,11 @@ written states go back after), runs strata's CPU Adam on them and copies the upd
 into the parameter (rounded when the model is bf16 or fp16). ``state_dict()`` and
 ``load_state_dict()`` use torch.optim.AdamW's format, so checkpoints move both ways.
 
+``max_grad_norm=`` clips by the global gradient norm first (torch's clip_grad_norm_, so a
+clipped step equals torch's); gradient accumulation is several backwards before one step().
+
 Not yet here (see the README): updates overlapped with backward, parameters whose states
-exceed the host budget (sub-groups), gradient clipping and activation offload.
+exceed the host budget (sub-groups) and activation offload.
 """
 
 from __future__ import annotations
@@ -39,19 +42,38 @@ def _on_stripes(nbytes: int) -> int:
     return (nbytes + _STRIPE - 1) // _STRIPE * _STRIPE
 
 
+# Note [Where the master weights live]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A parameter in CPU memory that is fp32 and contiguous is its own master copy: the CPU Adam
+# updates it in place, and only the moments are strata tensors (a separate master would cost
+# 4 bytes a parameter and a copy every step, for nothing). Every other parameter (bf16/fp16,
+# on a CUDA device, or not contiguous) gets an fp32 master row beside its moments;
+# a CPU bf16/fp16 parameter receives the rounded result straight from the kernel (its
+# param_copy), a CUDA one by a copy from the host tier after the update.
 @dataclass
 class _States:
-    """One parameter's optimizer states in the runtime."""
+    """One parameter's optimizer states in the runtime: one fp32 tensor of rows exp_avg,
+    exp_avg_sq and, when the parameter is not its own master, the master weights (one block:
+    a step leases one copy, which compaction can always make room for, where three leased
+    blocks could fragment the host tier)."""
 
     name: str
-    master: Tensor  # fp32 copy of the parameter
-    exp_avg: Tensor
-    exp_avg_sq: Tensor
+    states: Tensor  # (2 or 3, numel)
+    has_master: bool
     step: int = 0
 
-    @property
-    def nbytes(self) -> int:
-        return self.master.nbytes + self.exp_avg.nbytes + self.exp_avg_sq.nbytes
+
+def _own_master(p: torch.Tensor) -> bool:
+    return p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous()
+
+
+def _kernel_copy(p: torch.Tensor) -> bool:
+    """The kernel can write the rounded parameter into `p` itself."""
+    return (
+        p.device.type == "cpu"
+        and p.dtype in (torch.bfloat16, torch.float16)
+        and (p.is_contiguous())
+    )
 
 
 def _runtime(
@@ -103,6 +125,7 @@ class _StrataAdam(torch.optim.Optimizer):
         nvme_capacity: str | int | None = None,
         runtime: Runtime | None = None,
         prefetch: str = "auto",
+        max_grad_norm: float | None = None,
     ) -> None:
         if offload not in _OFFLOAD:
             raise InvalidArgumentError(f'offload: {offload!r} is not "host" or "nvme"')
@@ -125,6 +148,8 @@ class _StrataAdam(torch.optim.Optimizer):
         }
         super().__init__(params, defaults)
         self.offload = offload
+        self.max_grad_norm = max_grad_norm
+        self.last_grad_norm: float | None = None  # before clipping, when max_grad_norm is set
         self._home = _OFFLOAD[offload]
         param_bytes = sum(
             3 * _on_stripes(4 * p.numel()) for g in self.param_groups for p in g["params"]
@@ -137,26 +162,23 @@ class _StrataAdam(torch.optim.Optimizer):
         host = self.runtime.stats()["tiers"]["Host"]["capacity_bytes"]
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
-                need = 3 * 4 * p.numel()
+                need = (2 if _own_master(p) else 3) * 4 * p.numel()
                 if need > host:
                     raise OutOfMemoryError(
                         f"parameter {pi} of group {gi} {tuple(p.shape)} needs {need} bytes of "
-                        f"fp32 master weights and moments on the host tier at once, the host "
-                        f"budget holds {host}: raise host_budget"
+                        f"fp32 moments (and master weights) on the host tier at once, the host "
+                        f"tier holds {host}: raise host_budget"
                     )
 
     def _states_of(self, p: torch.nn.Parameter, name: str) -> _States:
         s = self._states.get(p)
         if s is None:
-            master = p.detach().to("cpu", torch.float32).contiguous()
-            rt = self.runtime
-            shape = tuple(p.shape)
-            s = _States(
-                name,
-                rt.create_tensor(f"{name}.master", shape, "float32", self._home, master),
-                rt.create_tensor(f"{name}.exp_avg", shape, "float32", self._home),
-                rt.create_tensor(f"{name}.exp_avg_sq", shape, "float32", self._home),
-            )
+            has_master = not _own_master(p)
+            init = torch.zeros((3 if has_master else 2, p.numel()), dtype=torch.float32)
+            if has_master:
+                init[2] = p.detach().reshape(-1).to("cpu", torch.float32)
+            t = self.runtime.create_tensor(name, tuple(init.shape), "float32", self._home, init)
+            s = _States(name, t, has_master)
             self._states[p] = s
         return s
 
@@ -167,6 +189,12 @@ class _StrataAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.max_grad_norm is not None:
+            # torch.nn.utils.clip_grad_norm_ itself, so the clipped step is torch's exactly: the
+            # global norm needs every gradient before any update.
+            params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+            norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+            self.last_grad_norm = float(norm)
         rw = Access.READ_WRITE
         with self.pipeline.iteration():
             for gi, group in enumerate(self.param_groups):
@@ -181,22 +209,18 @@ class _StrataAdam(torch.optim.Optimizer):
                         )
                     s = self._states_of(p, f"g{gi}.p{pi}")
                     s.step += 1
-                    grad = p.grad.detach().to("cpu").contiguous()
-                    uses = [
-                        (s.master, Tier.HOST, rw),
-                        (s.exp_avg, Tier.HOST, rw),
-                        (s.exp_avg_sq, Tier.HOST, rw),
-                    ]
-                    with self.pipeline.step(s.name, uses) as (lm, lm1, lm2):
-                        master = torch.from_dlpack(lm)
-                        copy = None
-                        if p.dtype in (torch.bfloat16, torch.float16):
-                            copy = torch.empty(p.shape, dtype=p.dtype)
+                    grad = p.grad.detach()
+                    if grad.device.type != "cpu" or not grad.is_contiguous():
+                        grad = grad.to("cpu").contiguous()
+                    with self.pipeline.step(s.name, [(s.states, Tier.HOST, rw)]) as (lease,):
+                        rows = torch.from_dlpack(lease)
+                        master = rows[2] if s.has_master else p.data.view(-1)
+                        copy = p.data.view(-1) if _kernel_copy(p) else None
                         _kernel.adam_step(
                             master,
-                            grad,
-                            torch.from_dlpack(lm1),
-                            torch.from_dlpack(lm2),
+                            grad.view(-1),
+                            rows[0],
+                            rows[1],
                             step=s.step,
                             lr=group["lr"],
                             betas=(beta1, beta2),
@@ -205,21 +229,22 @@ class _StrataAdam(torch.optim.Optimizer):
                             adamw=self._decoupled,
                             param_copy=copy,
                         )
-                        p.copy_(master if copy is None else copy)
-                        del master, copy  # arrays keep their leases: let them go with the step
+                        if s.has_master and copy is None:
+                            p.copy_(master.view(p.shape))  # up to the device, rounded if 16-bit
+                        del rows, master, copy  # arrays keep their leases: let them go now
         return loss
 
     # ---- torch.optim.AdamW's checkpoint format -----------------------------------------------
 
-    def _read(self, t: Tensor, shape: torch.Size) -> torch.Tensor:
-        with self.runtime.acquire(t, Tier.HOST, Access.READ) as lease:
-            value = torch.from_dlpack(lease).clone()
-        return value.view(shape)
+    def _rows(self, s: _States) -> torch.Tensor:
+        with self.runtime.acquire(s.states, Tier.HOST, Access.READ) as lease:
+            return torch.from_dlpack(lease).clone()
 
     def state_dict(self) -> dict[str, Any]:
         """torch.optim.AdamW's format: per parameter index "step", "exp_avg", "exp_avg_sq"
         (fp32, the parameter's shape), plus "master" (the fp32 master weights, which torch
-        ignores and keeps), and param_groups with their hyperparameters."""
+        ignores and keeps) for parameters that are not their own master (Note [Where the
+        master weights live]), and param_groups with their hyperparameters."""
         index = 0
         state: dict[int, dict[str, torch.Tensor]] = {}
         groups = []
@@ -229,12 +254,14 @@ class _StrataAdam(torch.optim.Optimizer):
             for p in group["params"]:
                 s = self._states.get(p)
                 if s is not None:
+                    rows = self._rows(s)
                     state[index] = {
                         "step": torch.tensor(float(s.step)),
-                        "exp_avg": self._read(s.exp_avg, p.shape),
-                        "exp_avg_sq": self._read(s.exp_avg_sq, p.shape),
-                        "master": self._read(s.master, p.shape),
+                        "exp_avg": rows[0].view(p.shape),
+                        "exp_avg_sq": rows[1].view(p.shape),
                     }
+                    if s.has_master:
+                        state[index]["master"] = rows[2].view(p.shape)
                 ids.append(index)
                 index += 1
             packed["params"] = ids
@@ -273,19 +300,21 @@ class _StrataAdam(torch.optim.Optimizer):
             gi, pi = gi_of[p]
             s = self._states_of(p, f"g{gi}.p{pi}")
             s.step = int(float(st["step"]))
-            master = st.get("master", p.detach())
-            for t, value in (
-                (s.master, master),
-                (s.exp_avg, st["exp_avg"]),
-                (s.exp_avg_sq, st["exp_avg_sq"]),
-            ):
-                value = value.detach().to("cpu", torch.float32).contiguous()
+            values = [st["exp_avg"], st["exp_avg_sq"]]
+            if s.has_master:
+                values.append(st.get("master", p.detach()))
+            elif "master" in st:
+                p.data.copy_(st["master"].view(p.shape))
+            rows = []
+            for value in values:
+                value = value.detach().to("cpu", torch.float32).reshape(-1)
                 if value.numel() != p.numel():
                     raise InvalidArgumentError(
                         f"load_state_dict: parameter {pi} of group {gi} has {p.numel()} "
                         f"elements, its state {value.numel()}"
                     )
-                self.runtime.write(t, value)
+                rows.append(value)
+            self.runtime.write(s.states, torch.stack(rows).contiguous())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
