@@ -48,3 +48,9 @@ if ! "$venv/bin/python" -c "import numpy, safetensors, pytest, nanobind, scikit_
     { echo "install-deps: pip install ${python_packages[*]} into $venv failed" >&2; exit 1; }
 fi
 echo "install-deps: $venv has ${python_packages[*]}"
+# DeepSpeed, only for the benchmarks that compare against it (bench/optim-vs-torch.py,
+# bench/deepspeed-aio-vs-strata.sh); they say so when it is missing, so a failure here warns.
+if ! "$venv/bin/python" -c "import deepspeed" >/dev/null 2>&1; then
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check deepspeed ||
+    echo "install-deps: pip install deepspeed failed (only the comparison benchmarks need it)" >&2
+fi
