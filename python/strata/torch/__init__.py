@@ -18,7 +18,8 @@ section "Run a Hugging Face model larger than memory".
 from . import optim
 from ._checkpoint import checkpoint_files, map_checkpoint
 from ._load import load_model, parameters_on_meta
-from ._offload import Block, Offloaded, find_blocks, make_runtime, offload
+from ._offload import Block, Offloaded, find_blocks, offload
+from ._runtimes import make_runtime
 
 __all__ = [
     "Block",

@@ -13,7 +13,8 @@ from torch import nn
 
 from .._errors import NotFoundError
 from .._runtime import Runtime
-from ._offload import Budget, offload
+from ._offload import offload
+from ._runtimes import Budget
 
 
 @contextmanager

@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
-import tempfile
-import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,6 +23,7 @@ from .._errors import InvalidArgumentError, NotFoundError, OutOfMemoryError, Uns
 from .._pipeline import PrefetchPipeline
 from .._runtime import Lease, Runtime, Tensor
 from ._checkpoint import Checkpoint, MappedTensor, checkpoint_files, map_checkpoint
+from ._runtimes import Budget, make_runtime
 
 # Note [Blocks]
 # ~~~~~~~~~~~~~
@@ -37,8 +35,6 @@ from ._checkpoint import Checkpoint, MappedTensor, checkpoint_files, map_checkpo
 # A parameter outside a forward is a placeholder on the right device with the right dtype and
 # shape, holding one NaN broadcast to that shape (model.device and model.dtype stay right, and a
 # use of it outside its block's forward shows as NaN rather than as plausible numbers).
-
-Budget = Union[str, int]
 
 _TORCH_DTYPES = {
     "float32": torch.float32,
@@ -57,49 +53,6 @@ _TORCH_DTYPES = {
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a strata Tensor's dtype name."""
     return _TORCH_DTYPES[name]
-
-
-def make_runtime(
-    device: str | torch.device,
-    device_budget: Budget,
-    host_budget: Budget,
-    nvme_dir: str | os.PathLike[str] | None = None,
-    nvme_capacity: Budget = "16GiB",
-) -> Runtime:
-    """A Runtime for `device`: the host backend for "cpu" (the device tier is a CPU arena of
-    `device_budget`), the CUDA backend for "cuda"/"cuda:N". `nvme_dir`, when given, holds
-    `nvme_capacity` of swap space for tensors that are written (mapped weights never are);
-    without it a 4 MiB swap lives in a private temporary directory."""
-    dev = torch.device(device)
-    config: dict[str, Any] = {
-        "device_budget": device_budget,
-        "host_budget": host_budget,
-    }
-    if dev.type == "cpu":
-        config["backend"] = "host"
-    elif dev.type == "cuda":
-        config["backend"] = "cuda"
-        config["device_ordinal"] = dev.index or 0
-    else:
-        raise UnsupportedError(f"device {str(dev)!r}: strata runs on 'cpu' or 'cuda'")
-    scratch = None
-    if nvme_dir is None:
-        # Mapped weights are read from their files and never written: the NVMe tier only needs
-        # to exist (it owns the io engine). Its swap goes in a private directory, removed with
-        # the runtime.
-        scratch = tempfile.mkdtemp(prefix="strata-swap-")
-        nvme_dir, nvme_capacity = scratch, "4MiB"
-    config["nvme"] = {"paths": [os.fspath(nvme_dir)], "capacity": nvme_capacity}
-    config["quiet"] = True
-    try:
-        runtime = Runtime(config)
-    except BaseException:
-        if scratch:
-            shutil.rmtree(scratch, ignore_errors=True)
-        raise
-    if scratch:
-        weakref.finalize(runtime, shutil.rmtree, scratch, True)
-    return runtime
 
 
 @dataclass

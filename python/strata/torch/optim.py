@@ -18,9 +18,6 @@ exceed the host budget (sub-groups) and activation offload.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
-import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -32,6 +29,7 @@ from .._core import Access, Tier
 from .._errors import InvalidArgumentError, NotFoundError, OutOfMemoryError
 from .._pipeline import PrefetchPipeline
 from .._runtime import Runtime, Tensor
+from ._runtimes import runtime_with_nvme
 
 _OFFLOAD = {"host": Tier.HOST, "nvme": Tier.NVME}
 # NVMe extents start on a stripe: small states (biases, norms) waste less with a small one.
@@ -84,28 +82,16 @@ def _runtime(
         "device_budget": "4MiB",  # the states never go to the device tier
         "host_budget": host_budget,
         "host_copy_on_the_way": False,
-        "quiet": True,
     }
-    scratch = None
-    if offload == "nvme":
-        if nvme_dir is None:
-            raise InvalidArgumentError('offload="nvme" needs nvme_dir (a directory on the drive)')
-        if not os.path.isdir(nvme_dir):
-            raise NotFoundError(f"nvme_dir {os.fspath(nvme_dir)!r}: no such directory")
-        if nvme_capacity is None:  # the states: each of them starts on a stripe
-            nvme_capacity = param_bytes + (16 << 20)
-        config["nvme"] = {
-            "paths": [os.fspath(nvme_dir)],
-            "capacity": nvme_capacity,
-            "stripe": _STRIPE,
-        }
-    else:
-        scratch = tempfile.mkdtemp(prefix="strata-swap-")  # the io engine wants an NVMe tier
-        config["nvme"] = {"paths": [scratch], "capacity": "4MiB"}
-    rt = Runtime(config)
-    if scratch:
-        weakref.finalize(rt, shutil.rmtree, scratch, True)
-    return rt
+    if offload == "host":
+        return runtime_with_nvme(config, None, 0)
+    if nvme_dir is None:
+        raise InvalidArgumentError('offload="nvme" needs nvme_dir (a directory on the drive)')
+    if not os.path.isdir(nvme_dir):
+        raise NotFoundError(f"nvme_dir {os.fspath(nvme_dir)!r}: no such directory")
+    if nvme_capacity is None:  # the states: each of them starts on a stripe
+        nvme_capacity = param_bytes + (16 << 20)
+    return runtime_with_nvme(config, nvme_dir, nvme_capacity, _STRIPE)
 
 
 class _StrataAdam(torch.optim.Optimizer):

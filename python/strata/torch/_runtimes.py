@@ -1,0 +1,72 @@
+"""The Runtimes strata.torch makes: for a device ("cpu": the host backend, "cuda": the CUDA
+backend) and budgets, with an NVMe tier in the directory given or, without one, a few MiB of
+swap in a private temporary directory removed with the runtime (mapped weights and host-homed
+states never use it, but the NVMe tier owns the io engine that reads files)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import weakref
+from typing import Any, Union
+
+import torch
+
+from .._errors import UnsupportedError
+from .._runtime import Runtime
+
+Budget = Union[str, int]
+
+
+def runtime_with_nvme(
+    config: dict[str, Any],
+    nvme_dir: str | os.PathLike[str] | None,
+    nvme_capacity: Budget,
+    stripe: Budget | None = None,
+) -> Runtime:
+    """A Runtime of `config` plus its NVMe tier: `nvme_capacity` in `nvme_dir`, or 4 MiB in a
+    private temporary directory when `nvme_dir` is None."""
+    scratch = None
+    if nvme_dir is None:
+        scratch = tempfile.mkdtemp(prefix="strata-swap-")
+        nvme_dir, nvme_capacity = scratch, "4MiB"
+    nvme: dict[str, Any] = {"paths": [os.fspath(nvme_dir)], "capacity": nvme_capacity}
+    if stripe is not None:
+        nvme["stripe"] = stripe
+    config = {**config, "nvme": nvme, "quiet": True}
+    try:
+        runtime = Runtime(config)
+    except BaseException:
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    if scratch:
+        weakref.finalize(runtime, shutil.rmtree, scratch, True)
+    return runtime
+
+
+def make_runtime(
+    device: str | torch.device,
+    device_budget: Budget,
+    host_budget: Budget,
+    nvme_dir: str | os.PathLike[str] | None = None,
+    nvme_capacity: Budget = "16GiB",
+) -> Runtime:
+    """A Runtime for `device`: the host backend for "cpu" (the device tier is a CPU arena of
+    `device_budget`), the CUDA backend for "cuda"/"cuda:N". `nvme_dir`, when given, holds
+    `nvme_capacity` of swap space for tensors that are written (mapped weights never are);
+    without it a 4 MiB swap lives in a private temporary directory."""
+    dev = torch.device(device)
+    config: dict[str, Any] = {
+        "device_budget": device_budget,
+        "host_budget": host_budget,
+    }
+    if dev.type == "cpu":
+        config["backend"] = "host"
+    elif dev.type == "cuda":
+        config["backend"] = "cuda"
+        config["device_ordinal"] = dev.index or 0
+    else:
+        raise UnsupportedError(f"device {str(dev)!r}: strata runs on 'cpu' or 'cuda'")
+    return runtime_with_nvme(config, nvme_dir, nvme_capacity)
