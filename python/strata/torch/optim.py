@@ -8,16 +8,20 @@ written states go back after), runs strata's CPU Adam on them and copies the upd
 into the parameter (rounded when the model is bf16 or fp16). ``state_dict()`` and
 ``load_state_dict()`` use torch.optim.AdamW's format, so checkpoints move both ways.
 
-``max_grad_norm=`` clips by the global gradient norm first (torch's clip_grad_norm_, so a
-clipped step equals torch's); gradient accumulation is several backwards before one step().
-
-Not yet here (see the README): updates overlapped with backward, parameters whose states
-exceed the host budget (sub-groups) and activation offload.
+``overlap=True`` updates each parameter during backward as soon as its gradient is there (Note
+[Updates during backward]); ``sub_group_size`` splits large parameters' states into pieces
+(Note [Sub-groups]); ``max_grad_norm=`` clips by the global gradient norm first (torch's
+clip_grad_norm_, so a clipped step equals torch's); gradient accumulation is several backwards
+before one step() (``accumulation_steps=`` with overlap).
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import queue
+import threading
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -48,15 +52,32 @@ def _on_stripes(nbytes: int) -> int:
 # on a CUDA device, or not contiguous) gets an fp32 master row beside its moments;
 # a CPU bf16/fp16 parameter receives the rounded result straight from the kernel (its
 # param_copy), a CUDA one by a copy from the host tier after the update.
+# Note [Sub-groups]
+# ~~~~~~~~~~~~~~~~~
+# A parameter's states go in pieces of at most `sub_group_size` elements (DeepSpeed's name):
+# each piece one strata tensor, leased, updated and given back as its own pipeline step, so
+# the host tier never needs more than one piece (and the next, prefetched). Adam is element by
+# element: the pieces' results are the whole parameter's, bit for bit. By default a piece's
+# states take at most a quarter of the host tier, so a 50,000 x 4,096 embedding (2.4 GB of
+# fp32 moments) trains in a few hundred MiB of host budget, its states streamed NVMe -> host
+# -> NVMe piece by piece.
 @dataclass
-class _States:
-    """One parameter's optimizer states in the runtime: one fp32 tensor of rows exp_avg,
-    exp_avg_sq and, when the parameter is not its own master, the master weights (one block:
-    a step leases one copy, which compaction can always make room for, where three leased
-    blocks could fragment the host tier)."""
+class _Piece:
+    """Elements [lo, hi) of a parameter's states: one fp32 tensor of rows exp_avg, exp_avg_sq
+    and, when the parameter is not its own master, the master weights (one block per piece: a
+    step leases one copy, which compaction can always make room for)."""
 
     name: str
-    states: Tensor  # (2 or 3, numel)
+    states: Tensor  # (2 or 3, hi - lo)
+    lo: int
+    hi: int
+
+
+@dataclass
+class _States:
+    """One parameter's optimizer states in the runtime (Note [Sub-groups])."""
+
+    pieces: list[_Piece]
     has_master: bool
     step: int = 0
 
@@ -94,6 +115,27 @@ def _runtime(
     return runtime_with_nvme(config, nvme_dir, nvme_capacity, _STRIPE)
 
 
+def _grad_ready(ref: weakref.ReferenceType, p: torch.nn.Parameter) -> None:
+    """The backward hook: a weak reference, so parameters do not keep the optimizer alive."""
+    opt = ref()
+    if opt is not None:
+        opt._on_grad(p)
+
+
+def _work(ref: weakref.ReferenceType, ready: queue.Queue) -> None:
+    """The update thread (Note [Updates during backward]): holds the optimizer only while it
+    runs an update, so the optimizer can be collected (which queues the None that ends this)."""
+    while (p := ready.get()) is not None:
+        try:
+            opt = ref()
+            if opt is not None:
+                opt._run_queued(p)
+            del opt
+        finally:
+            ready.task_done()
+    ready.task_done()
+
+
 class _StrataAdam(torch.optim.Optimizer):
     _decoupled = False
 
@@ -112,6 +154,9 @@ class _StrataAdam(torch.optim.Optimizer):
         runtime: Runtime | None = None,
         prefetch: str = "auto",
         max_grad_norm: float | None = None,
+        overlap: bool = False,
+        accumulation_steps: int = 1,
+        sub_group_size: int | None = None,
     ) -> None:
         if offload not in _OFFLOAD:
             raise InvalidArgumentError(f'offload: {offload!r} is not "host" or "nvme"')
@@ -119,6 +164,8 @@ class _StrataAdam(torch.optim.Optimizer):
             raise InvalidArgumentError(f"lr: {lr} is negative")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
             raise InvalidArgumentError(f"betas: {betas} are not in [0, 1)")
+        if accumulation_steps < 1:
+            raise InvalidArgumentError(f"accumulation_steps: {accumulation_steps} is below 1")
         # torch.optim.AdamW's group keys, so state_dict() is its format.
         defaults = {
             "lr": lr,
@@ -137,8 +184,12 @@ class _StrataAdam(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self.last_grad_norm: float | None = None  # before clipping, when max_grad_norm is set
         self._home = _OFFLOAD[offload]
+        # NVMe room for the states: each piece starts on a stripe (pieces of 256 Ki elements
+        # or more waste at most a quarter; pass nvme_capacity for smaller ones).
         param_bytes = sum(
-            3 * _on_stripes(4 * p.numel()) for g in self.param_groups for p in g["params"]
+            3 * (_on_stripes(4 * p.numel()) + _STRIPE * (p.numel() // (1 << 18)))
+            for g in self.param_groups
+            for p in g["params"]
         )
         self.runtime = runtime or _runtime(
             offload, host_budget, nvme_dir, nvme_capacity, param_bytes
@@ -146,25 +197,164 @@ class _StrataAdam(torch.optim.Optimizer):
         self.pipeline = PrefetchPipeline(self.runtime, prefetch)
         self._states: dict[torch.nn.Parameter, _States] = {}
         host = self.runtime.stats()["tiers"]["Host"]["capacity_bytes"]
-        for gi, group in enumerate(self.param_groups):
-            for pi, p in enumerate(group["params"]):
-                need = (2 if _own_master(p) else 3) * 4 * p.numel()
-                if need > host:
-                    raise OutOfMemoryError(
-                        f"parameter {pi} of group {gi} {tuple(p.shape)} needs {need} bytes of "
-                        f"fp32 moments (and master weights) on the host tier at once, the host "
-                        f"tier holds {host}: raise host_budget"
-                    )
+        if sub_group_size is None:  # a piece's states (up to 12 bytes an element): host / 4
+            sub_group_size = max(1024, host // 4 // 12)
+        if sub_group_size < 1 or 12 * sub_group_size > host:
+            raise OutOfMemoryError(
+                f"sub_group_size {sub_group_size}: a piece's fp32 moments and master weights "
+                f"({12 * sub_group_size} bytes) do not fit the host tier ({host} bytes): lower "
+                "it or raise host_budget"
+            )
+        self.sub_group_size = sub_group_size
+        # Note [Updates during backward]
+        # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+        # With overlap (and no clipping, which needs every gradient first), a parameter's
+        # update starts as soon as backward has accumulated its gradient for the last
+        # micro-batch of the step (register_post_accumulate_grad_hook; every use of the
+        # parameter in the graph has then run, so changing it is safe, as in torch's "optimizer
+        # in backward" recipe). The hook only queues it; one worker thread runs the updates in
+        # that order, the CPU Adam releasing the GIL, while autograd goes on. step() waits for
+        # the queue, updates whatever the hooks did not (a gradient set by hand), and reports a
+        # worker's failure. Each update is the same call on the same values as without overlap:
+        # the results are bit-identical.
+        self.accumulation_steps = accumulation_steps
+        self.overlap = overlap and max_grad_norm is None
+        self.updates_during_backward = 0  # counted over the optimizer's life
+        self._ready: queue.Queue[torch.nn.Parameter | None] = queue.Queue()
+        self._done: set[torch.nn.Parameter] = set()
+        self._backwards: dict[torch.nn.Parameter, int] = {}
+        self._failure: BaseException | None = None
+        self._in_iteration = False
+        self._lock = threading.Lock()
+        self._worker: threading.Thread | None = None
+        self._hooks = []
+        self._where: dict[torch.nn.Parameter, tuple[dict, int, int]] = {}
+        for gi in range(len(self.param_groups)):
+            self._track(gi)
+        if self._hooks:
+            self._worker = threading.Thread(
+                target=_work,
+                args=(weakref.ref(self), self._ready),
+                name="strata-adam",
+                daemon=True,
+            )
+            self._worker.start()
+            weakref.finalize(self, self._ready.put, None)
+
+    def _track(self, gi: int) -> None:
+        group = self.param_groups[gi]
+        for pi, p in enumerate(group["params"]):
+            self._where[p] = (group, gi, pi)
+            if self.overlap and p.requires_grad:
+                hook = functools.partial(_grad_ready, weakref.ref(self))
+                self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        if hasattr(self, "_where"):  # after __init__ (which tracks its own groups)
+            self._track(len(self.param_groups) - 1)
+
+    def _on_grad(self, p: torch.nn.Parameter) -> None:
+        n = self._backwards.get(p, 0) + 1
+        self._backwards[p] = n
+        if n % self.accumulation_steps == 0:
+            self._ready.put(p)
+
+    def _run_queued(self, p: torch.nn.Parameter) -> None:
+        try:
+            if self._failure is None:
+                with torch.no_grad():
+                    self._update(p)
+                self.updates_during_backward += 1
+        except BaseException as e:  # noqa: BLE001 (raised by step())
+            self._failure = e
+
+    def close(self) -> None:
+        """Takes the backward hooks off the parameters and stops the update thread (overlap);
+        the optimizer then updates only in step(). Also done when it is garbage-collected."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self._ready.join()
+        if self._worker is not None:
+            self._ready.put(None)
+            self._worker.join()
+            self._worker = None
+
+    def _begin(self) -> None:
+        with self._lock:
+            if not self._in_iteration:
+                self.pipeline._core.begin_iteration()
+                self._in_iteration = True
+
+    def _update(self, p: torch.nn.Parameter) -> None:
+        """One parameter's Adam step (any thread; one at a time)."""
+        if p in self._done or p.grad is None:
+            return
+        group, gi, pi = self._where[p]
+        if p.grad.is_sparse:
+            raise InvalidArgumentError(
+                f"parameter {pi} of group {gi}: a sparse gradient (Adam needs dense "
+                "ones; use torch.optim.SparseAdam for sparse embeddings)"
+            )
+        self._begin()
+        beta1, beta2 = group["betas"]
+        s = self._states_of(p, f"g{gi}.p{pi}")
+        s.step += 1
+        grad = p.grad.detach()
+        if grad.device.type != "cpu" or not grad.is_contiguous():
+            grad = grad.to("cpu").contiguous()
+        grad = grad.view(-1)
+        flat = p.data.view(-1) if p.is_contiguous() else None
+        copy = flat if _kernel_copy(p) else None
+        scattered: list[torch.Tensor] = []
+        for piece in s.pieces:
+            lo, hi = piece.lo, piece.hi
+            uses = [(piece.states, Tier.HOST, Access.READ_WRITE)]
+            with self.pipeline.step(piece.name, uses) as (lease,):
+                rows = torch.from_dlpack(lease)
+                master = rows[2] if s.has_master else flat[lo:hi]
+                _kernel.adam_step(
+                    master,
+                    grad[lo:hi],
+                    rows[0],
+                    rows[1],
+                    step=s.step,
+                    lr=group["lr"],
+                    betas=(beta1, beta2),
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                    adamw=self._decoupled,
+                    param_copy=None if copy is None else copy[lo:hi],
+                )
+                if s.has_master and copy is None:  # up to the device, rounded if 16-bit
+                    if flat is not None:
+                        flat[lo:hi].copy_(master)
+                    else:  # not contiguous: the whole parameter at once, below
+                        scattered.append(master.clone())
+                del rows, master  # arrays keep their leases: let them go now
+        if scattered:
+            p.data.copy_(torch.cat(scattered).view(p.shape))
+        self._done.add(p)
 
     def _states_of(self, p: torch.nn.Parameter, name: str) -> _States:
         s = self._states.get(p)
         if s is None:
             has_master = not _own_master(p)
-            init = torch.zeros((3 if has_master else 2, p.numel()), dtype=torch.float32)
-            if has_master:
-                init[2] = p.detach().reshape(-1).to("cpu", torch.float32)
-            t = self.runtime.create_tensor(name, tuple(init.shape), "float32", self._home, init)
-            s = _States(name, t, has_master)
+            flat = p.detach().reshape(-1)
+            pieces = []
+            n, size = p.numel(), self.sub_group_size
+            for k, lo in enumerate(range(0, max(n, 1), size)):
+                hi = min(n, lo + size)
+                init = torch.zeros((3 if has_master else 2, hi - lo), dtype=torch.float32)
+                if has_master:
+                    init[2] = flat[lo:hi].to("cpu", torch.float32)
+                piece = name if n <= size else f"{name}.{k}"
+                t = self.runtime.create_tensor(
+                    piece, tuple(init.shape), "float32", self._home, init
+                )
+                pieces.append(_Piece(piece, t, lo, hi))
+            s = _States(pieces, has_master)
             self._states[p] = s
         return s
 
@@ -181,50 +371,31 @@ class _StrataAdam(torch.optim.Optimizer):
             params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
             norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
             self.last_grad_norm = float(norm)
-        rw = Access.READ_WRITE
-        with self.pipeline.iteration():
-            for gi, group in enumerate(self.param_groups):
-                beta1, beta2 = group["betas"]
-                for pi, p in enumerate(group["params"]):
-                    if p.grad is None:
-                        continue
-                    if p.grad.is_sparse:
-                        raise InvalidArgumentError(
-                            f"parameter {pi} of group {gi}: a sparse gradient (Adam needs dense "
-                            "ones; use torch.optim.SparseAdam for sparse embeddings)"
-                        )
-                    s = self._states_of(p, f"g{gi}.p{pi}")
-                    s.step += 1
-                    grad = p.grad.detach()
-                    if grad.device.type != "cpu" or not grad.is_contiguous():
-                        grad = grad.to("cpu").contiguous()
-                    with self.pipeline.step(s.name, [(s.states, Tier.HOST, rw)]) as (lease,):
-                        rows = torch.from_dlpack(lease)
-                        master = rows[2] if s.has_master else p.data.view(-1)
-                        copy = p.data.view(-1) if _kernel_copy(p) else None
-                        _kernel.adam_step(
-                            master,
-                            grad.view(-1),
-                            rows[0],
-                            rows[1],
-                            step=s.step,
-                            lr=group["lr"],
-                            betas=(beta1, beta2),
-                            eps=group["eps"],
-                            weight_decay=group["weight_decay"],
-                            adamw=self._decoupled,
-                            param_copy=copy,
-                        )
-                        if s.has_master and copy is None:
-                            p.copy_(master.view(p.shape))  # up to the device, rounded if 16-bit
-                        del rows, master, copy  # arrays keep their leases: let them go now
+        self._ready.join()  # the updates queued during backward
+        try:
+            if self._failure is not None:
+                failure, self._failure = self._failure, None
+                raise failure
+            for group in self.param_groups:
+                for p in group["params"]:
+                    self._update(p)
+        finally:
+            self._done.clear()
+            with self._lock:
+                if self._in_iteration:
+                    self._in_iteration = False
+                    self.pipeline._core.end_iteration()
         return loss
 
     # ---- torch.optim.AdamW's checkpoint format -----------------------------------------------
 
     def _rows(self, s: _States) -> torch.Tensor:
-        with self.runtime.acquire(s.states, Tier.HOST, Access.READ) as lease:
-            return torch.from_dlpack(lease).clone()
+        """The parameter's state rows, its pieces joined."""
+        parts = []
+        for piece in s.pieces:
+            with self.runtime.acquire(piece.states, Tier.HOST, Access.READ) as lease:
+                parts.append(torch.from_dlpack(lease).clone())
+        return torch.cat(parts, dim=1)
 
     def state_dict(self) -> dict[str, Any]:
         """torch.optim.AdamW's format: per parameter index "step", "exp_avg", "exp_avg_sq"
@@ -300,9 +471,12 @@ class _StrataAdam(torch.optim.Optimizer):
                         f"elements, its state {value.numel()}"
                     )
                 rows.append(value)
-            self.runtime.write(s.states, torch.stack(rows).contiguous())
+            joined = torch.stack(rows)
+            for piece in s.pieces:
+                self.runtime.write(piece.states, joined[:, piece.lo : piece.hi].contiguous())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._ready.join()  # no update may be reading a gradient it clears
         super().zero_grad(set_to_none)
 
 
