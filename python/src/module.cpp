@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "strata/base/error.h"
+#include "strata/base/units.h"
 #include "strata/optim/adam.h"
 #include "strata/runtime/runtime.h"
 #include "strata/runtime/safetensors.h"
@@ -250,6 +251,14 @@ DType array_dtype(const AnyArray& a, const char* what) {
 NB_MODULE(_core, m) {
   m.doc() = "strata's C++ core (the binding); use the `strata` package.";
   nb::register_exception_translator(translate);
+  m.def(
+      "parse_bytes",
+      [](const std::string& text, const std::string& what) {
+        return strata::parse_bytes(text, what);
+      },
+      "text"_a, "what"_a = "size",
+      "A size in bytes from a number or a string with a unit (\"64KiB\", \"2GiB\"), as the "
+      "config reads them; InvalidArgumentError naming `what` otherwise.");
 
   nb::enum_<Tier>(m, "Tier", "A tier of memory: DEVICE (GPU or its stand-in), HOST (pinned), NVME.")
       .value("DEVICE", Tier::Device)

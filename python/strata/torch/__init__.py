@@ -16,12 +16,14 @@ section "Run a Hugging Face model larger than memory".
 """
 
 from . import optim
+from ._activations import ActivationOffload, offload_activations
 from ._checkpoint import checkpoint_files, map_checkpoint
 from ._load import load_model, parameters_on_meta
 from ._offload import Block, Offloaded, find_blocks, offload
 from ._runtimes import make_runtime
 
 __all__ = [
+    "ActivationOffload",
     "Block",
     "Offloaded",
     "checkpoint_files",
@@ -30,6 +32,7 @@ __all__ = [
     "make_runtime",
     "map_checkpoint",
     "offload",
+    "offload_activations",
     "optim",
     "parameters_on_meta",
 ]

@@ -1,0 +1,148 @@
+"""offload_activations: the tensors autograd saves for backward, moved into strata tensors
+(host tier or NVMe) during forward and brought back, prefetched in reverse order, during
+backward (Note [Saved activations]).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from .. import _core
+from .._core import Access, Tier
+from .._errors import InvalidArgumentError
+from .._runtime import Runtime, Tensor
+
+# Note [Saved activations]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# Inside the context, autograd's pack hook gives every saved tensor of at least `min_bytes`
+# that is contiguous, and is not a leaf that requires grad (a parameter: it lives on the device
+# anyway), to a new strata tensor homed on `tier`, and keeps only a handle; the unpack hook
+# leases it on the device tier and hands autograd a copy of it on the saved tensor's device,
+# first asking the runtime to prefetch the tensor saved before it: backward
+# unpacks in about the reverse order of forward. A handle that autograd drops (after its
+# unpack, or with the graph) destroys its strata tensor. The bytes round-trip exactly, so
+# gradients are the same bits as without offload.
+
+
+class _Saved:
+    """A saved activation in the runtime; destroyed with the last reference."""
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        tensor: Tensor,
+        shape: torch.Size,
+        dtype: torch.dtype,
+        device: torch.device,
+        before: _Saved | None,
+    ) -> None:
+        self.runtime = runtime
+        self.tensor = tensor
+        self.shape = shape
+        self.dtype = dtype
+        self.device = device
+        self.before = before  # the one saved just before it: prefetched when this is unpacked
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # at interpreter shutdown the runtime may be gone
+            self.runtime.destroy(self.tensor)
+
+
+class ActivationOffload:
+    """What offload_activations() counts: tensors and bytes moved, and those kept."""
+
+    def __init__(self, runtime: Runtime, tier: Tier, min_bytes: int) -> None:
+        self.runtime = runtime
+        self.tier = tier
+        self.min_bytes = min_bytes
+        self.offloaded = 0
+        self.offloaded_bytes = 0
+        self.kept = 0
+        self._names = itertools.count()
+        self._last: _Saved | None = None
+        self._lock = threading.Lock()
+
+    def pack(self, t: torch.Tensor) -> Any:
+        nbytes = t.numel() * t.element_size()
+        if (
+            nbytes < self.min_bytes
+            or not t.is_contiguous()
+            or (t.is_leaf and t.requires_grad)
+            or t.is_sparse
+            or t.dtype not in _DTYPES
+        ):
+            self.kept += 1
+            return t
+        src = t.detach()
+        if src.device.type != "cpu":
+            src = src.to("cpu")  # a CUDA activation goes down through a host copy
+        with self._lock:
+            name = f"activation.{next(self._names)}"
+        tensor = self.runtime.create_tensor(
+            name, tuple(t.shape), _DTYPES[t.dtype], self.tier, src.contiguous()
+        )
+        saved = _Saved(self.runtime, tensor, t.shape, t.dtype, t.device, self._last)
+        self._last = saved
+        self.offloaded += 1
+        self.offloaded_bytes += nbytes
+        return saved
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Saved):
+            return packed
+        if packed.before is not None:
+            self.runtime.prefetch(packed.before.tensor, Tier.DEVICE)
+            packed.before = None
+        with self.runtime.acquire(packed.tensor, Tier.DEVICE, Access.READ) as lease:
+            # A copy: the lease ends here, so the handle can always destroy its tensor (a view
+            # of the lease would hold it for as long as autograd keeps the value).
+            value = torch.from_dlpack(lease).view(packed.shape).to(packed.device, copy=True)
+        return value
+
+
+_DTYPES = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float64: "float64",
+    torch.int64: "int64",
+    torch.int32: "int32",
+    torch.int16: "int16",
+    torch.int8: "int8",
+    torch.uint8: "uint8",
+    torch.bool: "bool",
+}
+
+
+@contextmanager
+def offload_activations(
+    runtime: Runtime, min_bytes: int | str = "1MiB", tier: Tier = Tier.HOST
+) -> Iterator[ActivationOffload]:
+    """Saved tensors of at least `min_bytes` leave the device for strata tensors homed on `tier`
+    (Tier.HOST or Tier.NVME) while the block runs, and come back for backward (Note [Saved
+    activations])::
+
+        with st.offload_activations(runtime=opt.runtime, min_bytes="1MiB") as stats:
+            loss = model(batch).loss
+        loss.backward()
+        print(stats.offloaded, stats.offloaded_bytes)
+    """
+    if tier not in (Tier.HOST, Tier.NVME):
+        raise InvalidArgumentError(f"offload_activations: tier {tier} is not HOST or NVME")
+    state = ActivationOffload(runtime, tier, _bytes(min_bytes))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(state.pack, state.unpack):
+            yield state
+    finally:
+        state._last = None  # the graph holds the handles now: they go with it
+
+
+def _bytes(value: int | str) -> int:
+    return value if isinstance(value, int) else _core.parse_bytes(value, "min_bytes")
