@@ -98,3 +98,22 @@ def test_a_bad_tier_is_refused():
         st.offload_activations(rt, tier=strata.Tier.DEVICE),
     ):
         pass
+
+
+def test_an_activation_larger_than_the_host_tier_stays(tmp_path):
+    rt = strata.Runtime(
+        {
+            "backend": "host",
+            "device_budget": "1MiB",
+            "host_budget": "256KiB",
+            "quiet": True,
+            "nvme": {"paths": [str(tmp_path)], "capacity": "16MiB"},
+        }
+    )
+    host = rt.stats()["tiers"]["Host"]["capacity_bytes"]
+    x = torch.randn(host // 4 + 1024, requires_grad=True)  # more bytes than the host tier
+    with st.offload_activations(rt, min_bytes=1024, tier=strata.Tier.NVME) as saved:
+        y = (x.exp() * 2).sum()
+    y.backward()
+    assert saved.too_large >= 1 and saved.offloaded == 0
+    assert torch.equal(x.grad, x.detach().exp() * 2)

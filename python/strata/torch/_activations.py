@@ -16,16 +16,17 @@ import torch
 
 from .. import _core
 from .._core import Access, Tier
-from .._errors import InvalidArgumentError
+from .._errors import InvalidArgumentError, OutOfMemoryError
 from .._runtime import Runtime, Tensor
 
 # Note [Saved activations]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~
 # Inside the context, autograd's pack hook gives every saved tensor of at least `min_bytes`
-# that is contiguous, and is not a leaf that requires grad (a parameter: it lives on the device
-# anyway), to a new strata tensor homed on `tier`, and keeps only a handle; the unpack hook
-# leases it on the device tier and hands autograd a copy of it on the saved tensor's device,
-# first asking the runtime to prefetch the tensor saved before it: backward
+# that is contiguous, is not a leaf that requires grad (a parameter: it lives on the device
+# anyway) and fits the host tier (its way back), to a new strata tensor homed on `tier`, and
+# keeps only a handle. The unpack hook leases it (on the device tier for a CUDA tensor, the
+# host tier for a CPU one) and hands autograd a copy of it on the saved tensor's device, first
+# asking the runtime to prefetch (if there is room) the tensor saved before it: backward
 # unpacks in about the reverse order of forward. A handle that autograd drops (after its
 # unpack, or with the graph) destroys its strata tensor. The bytes round-trip exactly, so
 # gradients are the same bits as without offload.
@@ -56,7 +57,8 @@ class _Saved:
 
 
 class ActivationOffload:
-    """What offload_activations() counts: tensors and bytes moved, and those kept."""
+    """What offload_activations() counts: tensors and bytes moved (offloaded,
+    offloaded_bytes), and those kept (kept; too_large of them larger than the host tier)."""
 
     def __init__(self, runtime: Runtime, tier: Tier, min_bytes: int) -> None:
         self.runtime = runtime
@@ -65,12 +67,18 @@ class ActivationOffload:
         self.offloaded = 0
         self.offloaded_bytes = 0
         self.kept = 0
+        self.too_large = 0  # kept because they are larger than the host tier
+        self._host_capacity = runtime.stats()["tiers"]["Host"]["capacity_bytes"]
         self._names = itertools.count()
         self._last: _Saved | None = None
         self._lock = threading.Lock()
 
     def pack(self, t: torch.Tensor) -> Any:
         nbytes = t.numel() * t.element_size()
+        if nbytes > self._host_capacity:  # it could not come back through the host tier
+            self.too_large += 1
+            self.kept += 1
+            return t
         if (
             nbytes < self.min_bytes
             or not t.is_contiguous()
@@ -97,10 +105,14 @@ class ActivationOffload:
     def unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _Saved):
             return packed
+        # A CUDA activation comes back through the device tier; a CPU one through the host
+        # tier (on the host backend the device tier is another CPU arena: no use going there).
+        tier = Tier.DEVICE if packed.device.type == "cuda" else Tier.HOST
         if packed.before is not None:
-            self.runtime.prefetch(packed.before.tensor, Tier.DEVICE)
+            with contextlib.suppress(OutOfMemoryError):  # a hint: no room now is no error
+                self.runtime.prefetch(packed.before.tensor, tier)
             packed.before = None
-        with self.runtime.acquire(packed.tensor, Tier.DEVICE, Access.READ) as lease:
+        with self.runtime.acquire(packed.tensor, tier, Access.READ) as lease:
             # A copy: the lease ends here, so the handle can always destroy its tensor (a view
             # of the lease would hold it for as long as autograd keeps the value).
             value = torch.from_dlpack(lease).view(packed.shape).to(packed.device, copy=True)
