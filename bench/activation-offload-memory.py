@@ -20,35 +20,15 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.append(str(Path(__file__).resolve().parent.parent / "build" / "python"))
-
-
-def vm_hwm() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
+from _pybench import gpt2, status_bytes
 
 
 def child(args: argparse.Namespace) -> dict:
     import strata
     import strata.torch as st
     import torch
-    import transformers
 
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        vocab_size=args.vocab,
-        n_positions=args.seq,
-        n_embd=args.hidden,
-        n_layer=args.layers,
-        n_head=8,
-        attn_pdrop=0.0,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-    )
-    model = transformers.GPT2LMHeadModel(config)
+    model = gpt2(args.vocab, args.seq, args.hidden, args.layers)
     # The host tier holds the activations backward reads (up to 128 MiB at once here).
     rt = strata.Runtime(
         {
@@ -61,7 +41,7 @@ def child(args: argparse.Namespace) -> dict:
         }
     )
     ids = torch.randint(0, args.vocab, (args.batch, args.seq))
-    before = vm_hwm()
+    before = status_bytes("VmHWM")
     t = time.perf_counter()
     offloaded = 0
     if args.child == "offload":
@@ -74,7 +54,7 @@ def child(args: argparse.Namespace) -> dict:
     return {
         "kind": args.child,
         "step_s": time.perf_counter() - t,
-        "peak_rss_bytes": vm_hwm(),
+        "peak_rss_bytes": status_bytes("VmHWM"),
         "rss_before_step_bytes": before,
         "offloaded_bytes": offloaded,
     }

@@ -32,16 +32,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-# The package as the README's build leaves it, unless strata is installed (pip install .).
-sys.path.append(str(HERE.parent / "build" / "python"))
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+from _pybench import status_bytes
 
 
 def drop_page_cache(paths: list[Path]) -> str:
@@ -128,21 +119,11 @@ def disk_gbps(path: Path, runs: int = 3) -> list[float]:
     return rates
 
 
-def peak_rss() -> int:
-    """This process's peak RSS (VmHWM: per address space, so not inherited across exec as
-    getrusage's ru_maxrss is)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 # ---- one framework in its own process ---------------------------------------------------
 
 
 def child(args: argparse.Namespace) -> dict:
-    base_rss = rss_bytes()  # before torch: the interpreter
+    base_rss = status_bytes("VmRSS")  # before torch: the interpreter
     import torch
     import transformers
 
@@ -151,7 +132,7 @@ def child(args: argparse.Namespace) -> dict:
     files = sorted(path.glob("*.safetensors"))
     offload = Path(args.dir) / "accelerate-offload"
     ids = torch.randint(0, args.vocab, (1, args.prefill))
-    import_rss = rss_bytes()
+    import_rss = status_bytes("VmRSS")
     rt = None
     if args.child == "reference":
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -227,7 +208,7 @@ def child(args: argparse.Namespace) -> dict:
     result["tokens"] = cache["tokens"][0, -args.new_tokens :].tolist()
     result["rss_before_torch_bytes"] = base_rss
     result["rss_after_imports_bytes"] = import_rss
-    result["peak_rss_bytes"] = peak_rss()
+    result["peak_rss_bytes"] = status_bytes("VmHWM")
     if rt is not None:
         result["pipeline"] = model.strata.stats()["pipeline"]
     return result

@@ -17,12 +17,10 @@ import argparse
 import json
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-sys.path.append(str(Path(__file__).resolve().parent.parent / "build" / "python"))
-
+import _pybench  # noqa: F401 (sets the path to the package)
 import torch
 
 

@@ -18,26 +18,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.append(str(Path(__file__).resolve().parent.parent / "build" / "python"))
+from _pybench import gpt2
 
 
 def child(args: argparse.Namespace) -> dict:
     import strata.torch as st
     import torch
-    import transformers
 
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        vocab_size=args.vocab,
-        n_positions=args.seq,
-        n_embd=args.hidden,
-        n_layer=args.layers,
-        n_head=8,
-        attn_pdrop=0.0,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-    )
-    model = transformers.GPT2LMHeadModel(config)
+    model = gpt2(args.vocab, args.seq, args.hidden, args.layers)
     params = sum(p.numel() for p in model.parameters())
     state_bytes = 8 * params  # fp32 moments; fp32 CPU parameters are their own master
     if args.child == "memory":
