@@ -17,6 +17,11 @@ the fastest read rate seen in the run (fio on the checkpoint's files before and 
 rounds, and strata's own passes). A roofline above 1 is a measurement error and is flagged.
 
   .venv/bin/python bench/hf-vs-accelerate.py --dir /var/tmp/strata-hf --rounds 3
+
+--device cuda (bench/gpu-check.sh) runs the three on the GPU: the reference moved whole to it,
+strata with device="cuda" (half the budget its HBM arena, half pinned host memory), accelerate
+with max_memory={0: half, "cpu": half} and the rest in its offload folder; each pass ends with
+torch.cuda.synchronize() before the clock stops.
 """
 
 from __future__ import annotations
@@ -131,17 +136,22 @@ def child(args: argparse.Namespace) -> dict:
     path = Path(args.checkpoint)
     files = sorted(path.glob("*.safetensors"))
     offload = Path(args.dir) / "accelerate-offload"
-    ids = torch.randint(0, args.vocab, (1, args.prefill))
+    ids = torch.randint(0, args.vocab, (1, args.prefill)).to(args.device)
     import_rss = status_bytes("VmRSS")
     rt = None
     if args.child == "reference":
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model.to(args.device)
     elif args.child == "strata":
         import strata.torch as st
 
         half = args.budget // 2
         model = st.load_model(
-            path, device_budget=half, host_budget=args.budget - half, dtype=torch.float32
+            path,
+            device=args.device,
+            device_budget=half,
+            host_budget=args.budget - half,
+            dtype=torch.float32,
         )
         rt = model.strata.runtime
     else:
@@ -149,7 +159,11 @@ def child(args: argparse.Namespace) -> dict:
         model = transformers.AutoModelForCausalLM.from_pretrained(
             path,
             device_map="auto",
-            max_memory={"cpu": args.budget},
+            max_memory=(
+                {"cpu": args.budget}
+                if args.device == "cpu"
+                else {0: args.budget // 2, "cpu": args.budget - args.budget // 2}
+            ),
             offload_folder=str(offload),
             dtype=torch.float32,
         )
@@ -165,6 +179,8 @@ def child(args: argparse.Namespace) -> dict:
         start = time.perf_counter()
         with torch.no_grad():
             fn()
+        if args.device == "cuda":
+            torch.cuda.synchronize()
         s = time.perf_counter() - start
         out = {"s": s, "bytes_read": bytes_read() - before}
         if how:
@@ -235,6 +251,8 @@ def run_child(kind: str, args: argparse.Namespace, checkpoint: Path) -> dict:
         str(args.vocab),
         "--dir",
         args.dir,
+        "--device",
+        args.device,
     ]
     out = subprocess.run(cmd, check=False, capture_output=True, text=True)
     if out.returncode != 0:
@@ -264,6 +282,7 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--child", choices=["reference", "strata", "accelerate", "checkpoint"])
     ap.add_argument("--checkpoint")
     ap.add_argument("--budget", type=int)
@@ -316,6 +335,7 @@ def main() -> None:
         "new_tokens": args.new_tokens,
         "rounds": args.rounds,
         "cpu_count": os.cpu_count(),
+        "device": args.device,
         "reference_in_memory": {
             "prefill_s": ref["prefill_warm"]["s"],
             "decode_s": ref["decode_warm"]["s"],

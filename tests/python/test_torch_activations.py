@@ -1,11 +1,18 @@
 """strata.torch.offload_activations: saved tensors leave for strata tensors during forward and
-come back for backward; gradients are the same bits as without it."""
+come back for backward; gradients are the same bits as without it.
+
+STRATA_TEST_BACKEND=cuda (bench/gpu-check.sh): the runtimes are on the CUDA backend and the
+models and inputs CUDA tensors, so a saved activation goes down from HBM and comes back through
+a device-tier lease (DLPack, kDLCUDA)."""
 
 import pytest
 import strata
 import strata.torch as st
 import torch
 import transformers
+from conftest import BACKEND
+
+DEVICE = "cuda" if BACKEND == "cuda" else "cpu"
 
 
 def _grads(model, run):
@@ -18,7 +25,7 @@ def _grads(model, run):
 def test_gradients_are_the_same_bits_with_activations_offloaded(tier, tmp_path):
     rt = strata.Runtime(
         {
-            "backend": "host",
+            "backend": BACKEND,
             "device_budget": "8MiB",
             "host_budget": "8MiB",
             "quiet": True,
@@ -32,8 +39,8 @@ def test_gradients_are_the_same_bits_with_activations_offloaded(tier, tmp_path):
         torch.nn.Linear(256, 256),
         torch.nn.Tanh(),
         torch.nn.Linear(256, 4),
-    )
-    x = torch.randn(128, 64)
+    ).to(DEVICE)
+    x = torch.randn(128, 64).to(DEVICE)
 
     def loss():
         return model(x).square().mean()
@@ -56,7 +63,7 @@ def test_gradients_are_the_same_bits_with_activations_offloaded(tier, tmp_path):
 def test_a_transformers_model_backward_matches(tmp_path):
     rt = strata.Runtime(
         {
-            "backend": "host",
+            "backend": BACKEND,
             "device_budget": "16MiB",
             "host_budget": "16MiB",
             "quiet": True,
@@ -74,8 +81,8 @@ def test_a_transformers_model_backward_matches(tmp_path):
         embd_pdrop=0.0,
     )
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config)
-    ids = torch.randint(0, 256, (2, 64))
+    model = transformers.GPT2LMHeadModel(config).to(DEVICE)
+    ids = torch.randint(0, 256, (2, 64)).to(DEVICE)
     plain = _grads(model, lambda: model(ids, labels=ids).loss)
 
     def offloaded():

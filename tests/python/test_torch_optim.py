@@ -1,6 +1,10 @@
 """strata.torch.optim: Adam and AdamW with fp32 master weights and moments offloaded to the host
 tier or NVMe, against torch.optim on the same model, data and steps; torch's checkpoint format
-both ways; param groups and lr schedulers; bad input."""
+both ways; param groups and lr schedulers; bad input.
+
+STRATA_TEST_BACKEND=cuda (bench/gpu-check.sh): the models and batches are CUDA tensors (the
+states still live in the optimizer's own host-backend runtime, on the host tier or NVMe), and
+torch's optimizer runs on the GPU."""
 
 import copy
 
@@ -9,6 +13,9 @@ import strata
 import strata.torch as st
 import torch
 import transformers
+from conftest import BACKEND
+
+DEVICE = "cuda" if BACKEND == "cuda" else "cpu"
 
 
 def _mlp(seed=0, width=64):
@@ -19,12 +26,15 @@ def _mlp(seed=0, width=64):
         torch.nn.Linear(width, width),
         torch.nn.LayerNorm(width),
         torch.nn.Linear(width, 8),
-    )
+    ).to(DEVICE)
 
 
 def _batches(n, seed=1):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(16, 32, generator=g), torch.randn(16, 8, generator=g)) for _ in range(n)]
+    return [
+        (torch.randn(16, 32, generator=g).to(DEVICE), torch.randn(16, 8, generator=g).to(DEVICE))
+        for _ in range(n)
+    ]
 
 
 def _train(model, opt, batches, sched=None):
@@ -132,7 +142,7 @@ def test_a_small_transformers_model_steps_as_torch_does(tmp_path):
         embd_pdrop=0.0,
     )
     torch.manual_seed(0)
-    ours_model = transformers.GPT2LMHeadModel(config)
+    ours_model = transformers.GPT2LMHeadModel(config).to(DEVICE)
     ref_model = copy.deepcopy(ours_model)
     ours = st.optim.AdamW(ours_model.parameters(), lr=1e-3, offload="nvme", nvme_dir=tmp_path)
     ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-3, foreach=False)
@@ -141,7 +151,7 @@ def test_a_small_transformers_model_steps_as_torch_does(tmp_path):
         ref_model.load_state_dict(ours_model.state_dict())
         if step > 0:
             ref.load_state_dict(ours.state_dict())
-        ids = torch.randint(0, 512, (2, 32), generator=g)
+        ids = torch.randint(0, 512, (2, 32), generator=g).to(DEVICE)
         losses = []
         for m, o in ((ours_model, ours), (ref_model, ref)):
             loss = m(ids, labels=ids).loss
@@ -274,11 +284,11 @@ def test_a_failed_update_during_backward_is_raised_by_step():
     opt = st.optim.AdamW(model.parameters(), overlap=True)
     emb = torch.nn.Embedding(10, 4, sparse=True)
     opt.add_param_group({"params": list(emb.parameters())})  # its hook registered too
-    (emb(torch.tensor([1])).sum() + model(torch.randn(2, 32)).sum()).backward()
+    (emb(torch.tensor([1])).sum() + model(torch.randn(2, 32, device=DEVICE)).sum().cpu()).backward()
     with pytest.raises(strata.InvalidArgumentError, match="parameter 0 of group 1: a sparse"):
         opt.step()
     opt.zero_grad()
-    model(torch.randn(2, 32)).sum().backward()
+    model(torch.randn(2, 32, device=DEVICE)).sum().backward()
     opt.step()  # the failure was reported once; the optimizer goes on
 
 
@@ -289,7 +299,7 @@ def test_a_parameter_larger_than_the_host_budget_trains_in_pieces(tmp_path):
         torch.manual_seed(5)
         return torch.nn.Sequential(
             torch.nn.Linear(32, 512), torch.nn.Linear(512, 512), torch.nn.Linear(512, 8)
-        )
+        ).to(DEVICE)
 
     small, big = model(), model()
     pieces = st.optim.AdamW(
@@ -301,7 +311,7 @@ def test_a_parameter_larger_than_the_host_budget_trains_in_pieces(tmp_path):
     assert 12 * pieces.sub_group_size <= host // 4  # a piece takes at most a quarter
     g = torch.Generator().manual_seed(9)
     for _ in range(4):
-        x, y = torch.randn(8, 32, generator=g), torch.randn(8, 8, generator=g)
+        x, y = torch.randn(8, 32, generator=g).to(DEVICE), torch.randn(8, 8, generator=g).to(DEVICE)
         for m, o in ((small, pieces), (big, whole)):
             torch.nn.functional.mse_loss(m(x), y).backward()
             o.step()
