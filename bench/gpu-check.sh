@@ -58,6 +58,31 @@ if [ ! -f "$inc/Python.h" ] && [ -f .gpu-deps/python3.12/Python.h ]; then
   cmake_args+=("-DPython_INCLUDE_DIR=$PWD/.gpu-deps/python3.12")
 fi
 
+# A compiler that links libstdc++ as a shared library. The lent image's default g++
+# (/opt/gcc, 13.3) puts a static copy of it into the binding; torch, imported first, brings the
+# shared one, and the two copies' locale state crashed strata.Runtime() in operator<< (seen on
+# the H200). The image's g++-12 links it shared, as Debian's and Ubuntu's compilers do.
+links_shared_libstdcxx() {
+  local dir
+  dir=$(mktemp -d)
+  printf '#include <sstream>\n#include <string>\nstd::string f(unsigned long v) { std::ostringstream s; s << v; return s.str(); }\n' >"$dir/t.cpp"
+  "$1" -shared -fPIC "$dir/t.cpp" -o "$dir/t.so" 2>/dev/null &&
+    readelf -d "$dir/t.so" | grep -q 'NEEDED.*libstdc++'
+  local rc=$?
+  rm -rf "$dir"
+  return $rc
+}
+cxx=${CXX:-$(command -v g++ || command -v c++)}
+if ! links_shared_libstdcxx "$cxx"; then
+  for c in /usr/bin/g++-14 /usr/bin/g++-13 /usr/bin/g++-12 /usr/bin/g++; do
+    if [ -x "$c" ] && links_shared_libstdcxx "$c"; then
+      note "compiler: $cxx links libstdc++ statically; using $c"
+      export CXX=$c CC=${c/g++/gcc}
+      break
+    fi
+  done
+fi
+
 # The nanobind the binding is written against (carried), not whichever the image has.
 [ -d .gpu-deps/nanobind/cmake ] && cmake_args+=("-Dnanobind_DIR=$PWD/.gpu-deps/nanobind/cmake")
 
@@ -79,13 +104,18 @@ fi
 note "hugetlb: $(grep -E 'HugePages_(Total|Free)' /proc/meminfo | tr -s ' ' | tr '\n' ' ')"
 
 # STRATA_REQUIRE_GPU=1: the Python suite (ctest's python_tests) fails a test that skips.
-STRATA_REQUIRE_GPU=1 timeout 300 ctest --test-dir build-gpu -j 12 --output-on-failure \
+STRATA_REQUIRE_GPU=1 timeout 300 ctest --test-dir build-gpu -j 12 --timeout 120 --output-on-failure \
   >"$logs/ctest.log" 2>&1 || rc=1
 note "ctest: $(grep -E 'tests passed|tests failed' "$logs/ctest.log" | tail -1) ($((SECONDS - start)) s)"
 grep -A1 -E 'The following tests FAILED' "$logs/ctest.log" >/dev/null &&
   note "  failed: $(sed -n '/The following tests FAILED/,$p' "$logs/ctest.log" | tail -n +2 | head -8 | tr -s ' ' | tr '\n' ';')"
-# On a GPU machine nothing may skip: a CUDA test that skips here is a failure, not a pass.
-skipped=$(grep -E '\*\*\*Skipped|Not Run' "$logs/ctest.log" || true)
+# On a GPU machine nothing may skip: a CUDA test that skips here is a failure, not a pass. Three
+# tests need what a GPU machine lacks by design (no CUDA device, no reserved huge pages, a CPU
+# without one of the Adam variants): they run in CI instead, and are named, not failed.
+environmental='MakeBackend.CudaWithoutADeviceIsAClearError|Pages.HugetlbWithoutReservedPages|Adam.RefusesAVariantThisCpuCannotRun'
+env_skipped=$(grep -E '\*\*\*Skipped' "$logs/ctest.log" | grep -E "$environmental" | sed -E 's/^.*Test +#[0-9]+: ([^ ]+).*/\1/' | tr '\n' ' ')
+[ -n "$env_skipped" ] && note "skipped by design here (run in CI): $env_skipped"
+skipped=$(grep -E '\*\*\*Skipped|Not Run' "$logs/ctest.log" | grep -vE "$environmental" || true)
 if [ -n "$skipped" ]; then
   note "tests skipped on a GPU machine (a failure): $(echo "$skipped" | wc -l): $(echo "$skipped" | sed -E 's/^.*Test +#[0-9]+: ([^ ]+).*/\1/' | head -6 | tr '\n' ' ')"
   rc=1
@@ -128,6 +158,17 @@ else
   rc=1
 fi
 rm -rf "$logs/overlap-nvme"
+# Small layers on the GPU (each layer one staging chunk): this hung before Note [Host functions
+# leave CUDA's thread]; bounded, so that a hang is reported, not waited for.
+mkdir -p "$logs/overlap-small"
+if timeout 60 "$bench" overlap --backend cuda --layers 8 --layer-bytes 1MiB --passes 1 \
+  --max-roofline 100 --json --nvme-dir "$logs/overlap-small" >"$logs/overlap-small.json" 2>"$logs/overlap-small.err"; then
+  note "overlap (cuda, 8 x 1 MiB): $(jq_py '"verified %s, roofline %.2f" % (d["verified"], d["roofline"])' "$logs/overlap-small.json")"
+else
+  note "overlap (cuda, 8 x 1 MiB): FAILED or HUNG (rc $?)"
+  rc=1
+fi
+rm -rf "$logs/overlap-small"
 timeout 60 "$bench" adam --json >"$logs/adam.json" 2>&1 && note "adam (cpu): $(cut -c1-300 "$logs/adam.json")"
 
 # Hugging Face on the GPU: strata.torch (device="cuda") against accelerate, same checkpoint and

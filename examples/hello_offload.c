@@ -19,10 +19,15 @@ static int check(int status, const char* what) {
   return status;
 }
 
-static int touch(strata_runtime* rt, const strata_tensor* t, unsigned k) {
+/* On the host backend the lease's pointer could be read directly; on the CUDA backend it is
+ * device memory, so the bytes are checked through strata_lease_read (a device-to-host copy). */
+static int touch(strata_runtime* rt, const strata_tensor* t, unsigned k, unsigned char* bytes) {
   void* p = NULL;
   if (check(strata_acquire(rt, t[k], STRATA_TIER_DEVICE, STRATA_ACCESS_READ, &p), "acquire")) return 1;
-  const unsigned char* bytes = (const unsigned char*)p;
+  if (check(strata_lease_read(rt, t[k], STRATA_TIER_DEVICE, bytes, TENSOR_BYTES), "lease_read")) {
+    strata_release(rt, t[k], STRATA_TIER_DEVICE);
+    return 1;
+  }
   for (unsigned i = 0; i < TENSOR_BYTES; ++i) {
     if (bytes[i] != expected(k, i)) {
       fprintf(stderr, "hello_offload: tensor %u byte %u is %u, expected %u\n", k, i, bytes[i], expected(k, i));
@@ -54,9 +59,9 @@ int main(int argc, char** argv) {
     snprintf(name, sizeof name, "layer.%u", k);
     failed = check(strata_tensor_create(rt, name, TENSOR_BYTES, STRATA_TIER_NVME, init, &t[k]), "create");
   }
+  for (unsigned k = 0; k < TENSORS && !failed; ++k) failed = touch(rt, t, k, init);
+  for (unsigned k = TENSORS; k-- > 0 && !failed;) failed = touch(rt, t, k, init);
   free(init);
-  for (unsigned k = 0; k < TENSORS && !failed; ++k) failed = touch(rt, t, k);
-  for (unsigned k = TENSORS; k-- > 0 && !failed;) failed = touch(rt, t, k);
 
   uint64_t needed = 0;
   strata_stats_json(rt, NULL, 0, &needed); /* ask for the size first */

@@ -40,9 +40,13 @@ gpu_deps_fetch() {
 
 gpu_deps_use() {
   local p=/tmp/strata-deps f
-  [ -d "$p/usr" ] || for f in "$_gpu_deps_dir"/*.deb; do dpkg-deb -x "$f" "$p" || return 1; done
-  # The .pc files name /usr; here everything is under $p/usr.
-  find "$p" -name '*.pc' -exec sed -i "s#/usr#$p/usr#g" {} +
+  if [ ! -f "$p/.unpacked" ]; then  # once per machine: a second `use` finds it ready
+    rm -rf "$p"
+    for f in "$_gpu_deps_dir"/*.deb; do dpkg-deb -x "$f" "$p" || return 1; done
+    # The .pc files name /usr; here everything is under $p/usr.
+    find "$p" -name '*.pc' -exec sed -i "s#/usr#$p/usr#g" {} +
+    touch "$p/.unpacked"
+  fi
   local lib=$p/usr/lib/x86_64-linux-gnu
   export CMAKE_PREFIX_PATH=$p/usr${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}
   export PKG_CONFIG_PATH=$lib/pkgconfig:$lib/openblas-pthread/pkgconfig

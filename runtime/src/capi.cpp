@@ -115,6 +115,27 @@ int strata_acquire(strata_runtime* rt, strata_tensor t, strata_tier tier, strata
   });
 }
 
+int strata_lease_read(strata_runtime* rt, strata_tensor t, strata_tier tier, void* dst,
+                      uint64_t bytes) {
+  return guarded([&] {
+    STRATA_C_REQUIRE(rt);
+    STRATA_C_REQUIRE(dst);
+    std::lock_guard lock(rt->mutex);
+    const auto it = rt->leases.find({t, static_cast<int>(tier)});
+    STRATA_EXPECTS(it != rt->leases.end() && !it->second.empty(), "strata_lease_read: tensor ", t,
+                   " holds no lease on tier ", static_cast<int>(tier));
+    const strata::Lease& lease = it->second.back();
+    STRATA_EXPECTS(bytes <= lease.bytes(), "strata_lease_read: ", bytes,
+                   " bytes asked of a lease of ", lease.bytes());
+    strata::Backend& backend = rt->runtime->backend();
+    if (lease.tier() == strata::Tier::Device && !backend.info().host_addressable) {
+      backend.copy(dst, lease.data(), bytes, strata::CopyKind::DeviceToHost);
+    } else {
+      std::memcpy(dst, lease.data(), bytes);
+    }
+  });
+}
+
 int strata_release(strata_runtime* rt, strata_tensor t, strata_tier tier) {
   return guarded([&] {
     STRATA_C_REQUIRE(rt);

@@ -46,6 +46,16 @@ def rt(tmp_path):
     return strata.Runtime(small_config(tmp_path))
 
 
+def host_array(lease):
+    """The lease's values as a numpy array: the lease itself (zero copy) where the host can read
+    it, a copy of a CUDA device-tier lease (numpy takes no CUDA memory: it refuses kDLCUDA)."""
+    if lease.__dlpack_device__()[0] == 2:  # kDLCUDA
+        import torch
+
+        return torch.from_dlpack(lease).cpu().numpy()
+    return np.from_dlpack(lease)
+
+
 def pattern(n, seed, dtype=np.float32):
     """n values of dtype, different for every seed (a fixed generator: reproducible)."""
     return np.random.default_rng(seed).standard_normal(n).astype(dtype)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import strata
 import torch
-from conftest import pattern, small_config
+from conftest import BACKEND, host_array, pattern, small_config
 
 T = strata.Tier
 A = strata.Access
@@ -21,7 +21,7 @@ def test_round_trip_through_every_tier(rt):
     assert (t.name, t.shape, t.dtype, t.nbytes) == ("w", (128, 256), "float32", data.nbytes)
     for tier in (T.HOST, T.DEVICE):
         with rt.acquire(t, tier) as lease:
-            assert np.array_equal(np.from_dlpack(lease).ravel(), data), tier
+            assert np.array_equal(host_array(lease).ravel(), data), tier
     # Written on the device, evicted (written back), read back from below.
     with rt.acquire(t, T.DEVICE, A.READ_WRITE) as lease:
         torch.from_dlpack(lease).mul_(3)
@@ -40,13 +40,20 @@ def test_a_lease_is_zero_copy_into_torch_and_numpy(rt):
     for tier in (T.DEVICE, T.HOST):
         with rt.acquire(t, tier, A.READ_WRITE) as lease:
             x = torch.from_dlpack(lease)
-            a = np.from_dlpack(lease)
             assert x.data_ptr() == lease.data_ptr
-            assert a.ctypes.data == lease.data_ptr
             assert x.shape == (64, 64) and x.dtype == torch.float32
+            assert x.is_cuda == (BACKEND == "cuda" and tier == T.DEVICE)
             x.fill_(7.0)
-            assert a[3, 5] == 7.0  # the same bytes
-            del x, a
+            if x.is_cuda:  # numpy takes no CUDA memory; a second torch view shares the bytes
+                with pytest.raises(BufferError):
+                    np.from_dlpack(lease)
+                assert torch.from_dlpack(lease)[3, 5].item() == 7.0
+            else:
+                a = np.from_dlpack(lease)
+                assert a.ctypes.data == lease.data_ptr
+                assert a[3, 5] == 7.0  # the same bytes
+                del a
+            del x
 
 
 def test_every_dtype_spelling_and_bfloat16_round_trip(rt):
@@ -58,7 +65,7 @@ def test_every_dtype_spelling_and_bfloat16_round_trip(rt):
     src = torch.tensor([1.5, -2.0, 3.25, 1e4], dtype=torch.bfloat16)
     t = rt.create_tensor("w", (4,), torch.bfloat16, init=src)
     with rt.acquire(t, T.DEVICE) as lease:
-        assert torch.equal(torch.from_dlpack(lease), src)
+        assert torch.equal(torch.from_dlpack(lease).cpu(), src)
     # read(): numpy has no bfloat16, so its bit patterns.
     assert np.array_equal(rt.read(t), src.view(torch.int16).numpy().view(np.uint16))
     with pytest.raises(strata.InvalidArgumentError, match="unknown dtype"):
@@ -74,7 +81,7 @@ def test_an_array_outliving_its_with_block_keeps_the_lease(rt):
     # The copy is still leased: not evictable, and its bytes are still the tensor's.
     with pytest.raises(strata.InvalidArgumentError, match="leased"):
         rt.evict(t, T.DEVICE)
-    assert np.array_equal(y.numpy(), data)
+    assert np.array_equal(y.cpu().numpy(), data)
     del y
     assert rt.evict(t, T.DEVICE) is False  # clean: dropped, nothing written
     assert not rt.resident(t, T.DEVICE)
@@ -142,7 +149,7 @@ def test_threads_acquire_and_release_at_once(rt):
             for r in range(60):
                 with rt.acquire(t, T.DEVICE, A.READ_WRITE) as lease:
                     x = torch.from_dlpack(lease)
-                    if not np.array_equal(x.numpy(), value):
+                    if not np.array_equal(x.cpu().numpy(), value):
                         errors.append((k, r))
                     x.add_(1.0)
                     del x
@@ -246,12 +253,14 @@ def test_asking_for_cuda_without_a_gpu_is_unsupported_and_with_one_works():
 
 
 def test_dlpack_stream_argument_follows_the_protocol(rt):
-    # On the host backend every array is on the CPU: the copy is waited for on the host, and a
-    # consumer's stream is refused with BufferError, as DLPack asks (None and -1 are accepted).
+    # A CPU array's copy is waited for on the host, and a consumer's stream is refused with
+    # BufferError, as DLPack asks (None and -1 are accepted). On the CUDA backend the host
+    # tier's lease is that CPU array (kDLCUDAHost); the device tier's stream case is below.
     data = pattern(4096, 3)
     t = rt.create_tensor("s", (4096,), "float32", home=T.NVME, init=data)
-    with rt.acquire(t, T.DEVICE) as lease:
-        assert lease.__dlpack_device__() == (1, 0)  # kDLCPU
+    tier = T.HOST if BACKEND == "cuda" else T.DEVICE
+    with rt.acquire(t, tier) as lease:
+        assert lease.__dlpack_device__() == ((3, 0) if BACKEND == "cuda" else (1, 0))
         assert np.array_equal(np.from_dlpack(lease), data)
         capsule = lease.__dlpack__(stream=-1)
         assert type(capsule).__name__ == "PyCapsule"

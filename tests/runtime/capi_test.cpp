@@ -32,6 +32,16 @@ TEST(CApi, MovesTensorsAndReportsErrorsWithMessages) {
   void* q = nullptr;  // leases nest
   ASSERT_EQ(strata_acquire(rt, t, STRATA_TIER_DEVICE, STRATA_ACCESS_READ, &q), STRATA_OK);
   EXPECT_EQ(p, q);
+  // strata_lease_read: the lease's bytes into host memory (how C checks a CUDA device lease).
+  std::vector<unsigned char> seen(data.size());
+  ASSERT_EQ(strata_lease_read(rt, t, STRATA_TIER_DEVICE, seen.data(), seen.size()), STRATA_OK);
+  EXPECT_EQ(std::memcmp(seen.data(), data.data(), data.size()), 0);
+  EXPECT_EQ(strata_lease_read(rt, t, STRATA_TIER_DEVICE, seen.data(), seen.size() + 1),
+            STRATA_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(strata_last_error()).find("bytes asked of a lease of"), std::string::npos);
+  EXPECT_EQ(strata_lease_read(rt, t, STRATA_TIER_HOST, seen.data(), 1),
+            STRATA_ERROR_INVALID_ARGUMENT);  // no lease there
+  EXPECT_NE(std::string(strata_last_error()).find("holds no lease on tier"), std::string::npos);
   EXPECT_EQ(strata_release(rt, t, STRATA_TIER_DEVICE), STRATA_OK);
   EXPECT_EQ(strata_evict(rt, t, STRATA_TIER_DEVICE), STRATA_ERROR_INVALID_ARGUMENT);  // leased
   EXPECT_NE(std::string(strata_last_error()).find("leased"), std::string::npos);

@@ -50,6 +50,11 @@ int strata_tensor_destroy(strata_runtime* rt, strata_tensor t);
  * at them until the matching strata_release. Leases nest: each acquire needs one release. */
 int strata_acquire(strata_runtime* rt, strata_tensor t, strata_tier tier, strata_access access,
                    void** ptr);
+/* Copies the first `bytes` of the most recent lease of `t` on `tier` into host memory `dst`:
+ * a lease on the CUDA device tier is device memory the host cannot read through its pointer, so
+ * this is how C code checks it (a device-to-host copy there, a plain copy elsewhere). */
+int strata_lease_read(strata_runtime* rt, strata_tensor t, strata_tier tier, void* dst,
+                      uint64_t bytes);
 /* Releases the most recent lease of `t` on `tier`. */
 int strata_release(strata_runtime* rt, strata_tensor t, strata_tier tier);
 /* Starts moving `t` to `tier` and returns. */

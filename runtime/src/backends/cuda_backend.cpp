@@ -3,13 +3,19 @@
 #include <nvtx3/nvToolsExt.h>
 
 #include <algorithm>
+#include <condition_variable>
+#include <cstdint>
 #include <cstdio>
+#include <deque>
+#include <exception>
+#include <functional>
 #include <mutex>
+#include <thread>
 
 #include "backends.h"
 #include "strata/base/error.h"
-#include "strata/io/memory_limits.h"
 #include "strata/base/units.h"
+#include "strata/io/memory_limits.h"
 
 namespace strata::detail {
 namespace {
@@ -96,14 +102,33 @@ CudaEvent& as_cuda_event(Event& event) {
   return *cuda;
 }
 
+// Note [Host functions leave CUDA's thread]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A function given to cudaLaunchHostFunc runs on CUDA's callback thread, where it may make no
+// CUDA call: CUDA may deadlock (on the H200, strata-bench overlap with 1 MiB layers hung for
+// minutes: the h2d chunk callback pumps the next chunk, cudaMemcpyAsync and cudaLaunchHostFunc
+// from inside the callback). So the callback CUDA runs only hands the function to this stream's
+// own host thread, which runs the functions in the order they were launched, each after the
+// work enqueued before it, and may call CUDA and take the runtime's lock like any thread.
+// synchronize() waits for the stream and then for that thread to have run every function
+// launched before it, so "synchronized" still means "every callback has run" (the host
+// backend's worker queue gives the same). Later work on the stream does not wait for a
+// function: nothing in strata needs it to (Stream::launch_host_func says so).
 class CudaStream final : public Stream {
  public:
   CudaStream(std::string name, int device) : Stream(std::move(name)), device_(device) {
     STRATA_CUDA_TRY(cudaSetDevice(device_));
     STRATA_CUDA_TRY(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    host_ = std::thread([this] { run_host_functions(); });
   }
   ~CudaStream() override {
-    cudaStreamSynchronize(stream_);
+    cudaStreamSynchronize(stream_);  // every callback has queued its function
+    {
+      std::lock_guard lock(mutex_);
+      stopping_ = true;
+    }
+    queued_.notify_all();
+    host_.join();  // runs what is queued first
     cudaStreamDestroy(stream_);
   }
 
@@ -127,17 +152,31 @@ class CudaStream final : public Stream {
   void launch_host_func(std::function<void()> fn) override {
     STRATA_EXPECTS(fn != nullptr, "stream ", name(), ": empty host function");
     auto* task = new Task{std::move(fn), this};
+    {
+      std::lock_guard lock(mutex_);
+      ++launched_;
+    }
     const cudaError_t status = cudaLaunchHostFunc(stream_, &CudaStream::trampoline, task);
     if (status != cudaSuccess) {
       delete task;
+      {
+        std::lock_guard lock(mutex_);
+        --launched_;
+      }
       throw_cuda("cudaLaunchHostFunc", status);
     }
   }
   void synchronize() override {
+    std::uint64_t target = 0;
+    {
+      std::lock_guard lock(mutex_);
+      target = launched_;
+    }
     STRATA_CUDA_TRY(cudaStreamSynchronize(stream_));
     std::exception_ptr failure;
     {
-      std::lock_guard lock(mutex_);
+      std::unique_lock lock(mutex_);
+      finished_cv_.wait(lock, [&] { return finished_ >= target; });
       failure = std::exchange(failure_, nullptr);
     }
     if (failure) std::rethrow_exception(failure);
@@ -148,21 +187,49 @@ class CudaStream final : public Stream {
     std::function<void()> fn;
     CudaStream* stream;
   };
+  // On CUDA's callback thread: no CUDA call, only the hand-over (Note [Host functions leave
+  // CUDA's thread]).
   static void CUDART_CB trampoline(void* data) {
     auto* task = static_cast<Task*>(data);
-    try {
-      task->fn();
-    } catch (...) {
-      std::lock_guard lock(task->stream->mutex_);
-      if (!task->stream->failure_) task->stream->failure_ = std::current_exception();
+    CudaStream* self = task->stream;
+    {
+      std::lock_guard lock(self->mutex_);
+      self->ready_.push_back(task);
     }
-    delete task;
+    self->queued_.notify_one();
+  }
+  void run_host_functions() {
+    std::unique_lock lock(mutex_);
+    for (;;) {
+      queued_.wait(lock, [&] { return stopping_ || !ready_.empty(); });
+      if (ready_.empty()) return;  // stopping, and nothing left
+      Task* task = ready_.front();
+      ready_.pop_front();
+      lock.unlock();
+      std::exception_ptr failure;
+      try {
+        task->fn();
+      } catch (...) {
+        failure = std::current_exception();
+      }
+      delete task;
+      lock.lock();
+      if (failure && !failure_) failure_ = failure;
+      ++finished_;
+      finished_cv_.notify_all();
+    }
   }
 
   int device_;
   cudaStream_t stream_ = nullptr;
   std::mutex mutex_;
+  std::condition_variable queued_, finished_cv_;
+  std::deque<Task*> ready_;     // handed over by CUDA's callbacks, in stream order
+  std::uint64_t launched_ = 0;  // host functions launched on the stream
+  std::uint64_t finished_ = 0;  // ... and run by host_
+  bool stopping_ = false;
   std::exception_ptr failure_;
+  std::thread host_;  // last: started once the members above exist
 };
 
 void release_registered_pages(void* data, std::size_t bytes) noexcept {
@@ -194,8 +261,8 @@ class CudaBackend final : public Backend {
 
   void wait_on_foreign_stream(Event& event, std::uintptr_t stream) override {
     STRATA_CUDA_TRY(cudaSetDevice(info_.ordinal));
-    STRATA_CUDA_TRY(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream),
-                                        as_cuda_event(event).get(), 0));
+    STRATA_CUDA_TRY(
+        cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), as_cuda_event(event).get(), 0));
   }
 
   PinnedBuffer allocate_pinned(std::size_t bytes) override {

@@ -81,8 +81,11 @@ class Stream {
   virtual void record(Event& event) = 0;
   /// Later work on this stream waits for `event`'s captured work; the host does not block.
   virtual void wait(Event& event) = 0;
-  /// Runs `fn` once on a host thread, in stream order. On CUDA it must not call CUDA. An
-  /// exception from `fn` is reported by the next synchronize().
+  /// Runs `fn` once on a host thread after the work enqueued before it, functions in the order
+  /// launched; later work on the stream need not wait for it. `fn` may call the backend (on
+  /// CUDA it runs on a thread of the stream's own, not CUDA's callback thread). An exception
+  /// from `fn` is reported by the next synchronize(), which returns once every function
+  /// launched before it has run.
   virtual void launch_host_func(std::function<void()> fn) = 0;
   /// Blocks until all work enqueued so far has run; rethrows a failure of that work.
   virtual void synchronize() = 0;
