@@ -72,6 +72,9 @@ int main(int argc, char** argv) {
   app.add_option("--device-budget", device_budget, "device tier budget (default: see README)");
   app.add_option("--host-budget", host_budget,
                  "pinned host budget (default for nvme: a quarter of the states)");
+  app.add_option("--sub-group-rows", c.sub_group_rows,
+                 "rows of each layer per optimizer sub-group (0: automatic, see README)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--nvme-dir", c.nvme_dir, "NVMe directory (default: a temporary one)");
   app.add_option("--backend", c.backend, "host (cuda: not yet, see README)");
   app.add_flag("--reference", c.reference, "train with everything in plain memory, no offload");
@@ -122,6 +125,8 @@ int main(int argc, char** argv) {
           {"state_bytes", r.state_bytes},
           {"device_budget", r.device_budget},
           {"host_budget", r.host_budget},
+          {"sub_group_rows", r.sub_group_rows},
+          {"sub_groups", r.sub_groups},
           {"losses", r.losses},
           {"final_loss", r.losses.back()},
           {"step_s", r.step_s},

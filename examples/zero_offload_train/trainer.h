@@ -32,6 +32,9 @@ struct TrainConfig {
   std::size_t host_budget = 0;
   std::string nvme_dir;  ///< empty: a temporary directory under /var/tmp, removed at the end
   std::string backend = "host";
+  /// Rows of each layer per optimizer sub-group (Note [Sub-groups] in trainer.cpp); 0: the whole
+  /// layer when its optimizer step fits the host budget, else the most rows that fit.
+  int sub_group_rows = 0;
   std::vector<std::string> io_faults;     ///< tests: "write:N:enospc", ...
   std::function<void(int step)> on_step;  ///< called as each training step begins (tests)
   bool keep_state = false;                ///< return the final weights and moments (tests)
@@ -50,6 +53,8 @@ struct TrainResult {
   std::uint64_t state_bytes = 0;  ///< fp32 master weights + both moments
   std::size_t device_budget = 0;  ///< as used (defaults resolved)
   std::size_t host_budget = 0;
+  int sub_group_rows = 0;     ///< as used: rows of W (and their biases) per sub-group
+  int sub_groups = 1;         ///< per layer
   std::string stats_json;     ///< the runtime's stats at the end ("{}" for reference)
   std::string pipeline_json;  ///< the pipeline's stats ("{}" for reference)
   /// With keep_state, per layer at the end: the fp32 parameters (W [H, H] row-major, out x in,

@@ -149,7 +149,12 @@ double relative_error(const std::vector<float>& got, std::size_t got_offset,
   return std::sqrt(err / norm);
 }
 
-TEST(ZeroOffloadTrain, NvmeOffloadedTrainingMatchesAnIndependentFloat64Implementation) {
+// sub_group_rows 0: each layer whole; 20: sub-groups of 20, 20 and 8 of the 48 rows (Note
+// [Sub-groups] in trainer.cpp), checked against the same unsplit float64 training.
+class ZeroOffloadTrainRows : public ::testing::TestWithParam<int> {};
+INSTANTIATE_TEST_SUITE_P(SubGroups, ZeroOffloadTrainRows, ::testing::Values(0, 20));
+
+TEST_P(ZeroOffloadTrainRows, NvmeOffloadedTrainingMatchesAnIndependentFloat64Implementation) {
   TempDir dir;
   TrainConfig c = small(Offload::Nvme);
   c.layers = 4;
@@ -158,7 +163,9 @@ TEST(ZeroOffloadTrain, NvmeOffloadedTrainingMatchesAnIndependentFloat64Implement
   c.steps = 5;
   c.nvme_dir = dir.path();
   c.keep_state = true;
+  c.sub_group_rows = GetParam();
   const auto r = train(c);
+  EXPECT_EQ(r.sub_groups, GetParam() == 0 ? 1 : 3);
   ASSERT_GT(r.bytes_nvme_read, 0u) << "the states did not stream";
   ASSERT_EQ(r.losses.size(), 5u);
   ASSERT_EQ(r.final_params.size(), 4u);
@@ -174,12 +181,12 @@ TEST(ZeroOffloadTrain, NvmeOffloadedTrainingMatchesAnIndependentFloat64Implement
   // batch) = 48: (2 * 4 + 1) * 48 * u = 2.6e-5 of the norm at worst. Adam's step constants are
   // computed in double and rounded to float32 once (Note [Adam step constants]), so they add a
   // few u. The losses and the moments (linear in the gradients: m sums them, v their squares)
-  // are held to 1e-4 of their norm per tensor (seen: losses 1e-7, m 4e-7, v below 1e-6). A parameter moves by
-  // lr * m / (sqrt(v) + eps), which divides by the gradient's own size, so an element whose
-  // gradient is near zero may move differently in float32 by up to lr per step: the parameters
-  // are compared to the change they went through, ||p32 - p64|| <= 1e-3 ||p64 - p0|| (seen:
-  // 4e-6). A wrong gradient (a layer's, its bias's, a relu mask) or a wrong moment (a beta, a
-  // bias correction) is off by 1e-3 to 1 in these; Adam hides a gradient scaled as a whole from
+  // are held to 1e-4 of their norm per tensor (seen: losses 1e-7, m 4e-7, v below 1e-6). A
+  // parameter moves by lr * m / (sqrt(v) + eps), which divides by the gradient's own size, so an
+  // element whose gradient is near zero may move differently in float32 by up to lr per step: the
+  // parameters are compared to the change they went through, ||p32 - p64|| <= 1e-3 ||p64 - p0||
+  // (seen: 4e-6). A wrong gradient (a layer's, its bias's, a relu mask) or a wrong moment (a beta,
+  // a bias correction) is off by 1e-3 to 1 in these; Adam hides a gradient scaled as a whole from
   // the parameters (m / sqrt(v) does not change), not from the moments.
   constexpr double kLossTolerance = 1e-4, kMomentTolerance = 1e-4, kParamTolerance = 1e-3;
   for (int t = 0; t < c.steps; ++t) {
@@ -298,10 +305,40 @@ TEST(ZeroOffloadTrain, AWorkingSetLargerThanTheDeviceBudgetIsRefused) {
   const std::string m = message_of(c);
   EXPECT_NE(m.find("device budget 64.00 KiB cannot hold the working set"), std::string::npos) << m;
   EXPECT_NE(m.find("activations"), std::string::npos) << m;
+  // Below the staging slots and one row's optimizer step, no sub-group can help.
   c = small(Offload::Nvme);
-  c.host_budget = 300 * 1024;
+  c.host_budget = 200 * 1024;
   const std::string h = message_of(c);
-  EXPECT_NE(h.find("host budget 300.00 KiB cannot hold"), std::string::npos) << h;
+  EXPECT_NE(h.find("host budget 200.00 KiB cannot hold the optimizer's working set: one "
+                   "sub-group's (1 of 128 rows) master weights, Adam moments and gradient"),
+            std::string::npos)
+      << h;
+}
+
+TEST(ZeroOffloadTrain, ALayerWhoseStepExceedsTheHostBudgetTrainsInSubGroups) {
+  // 300 KiB of host budget: 256 KiB of staging slots leave 44 KiB, where one layer's step needs
+  // 272 KiB. The optimizer works in sub-groups of rows that fit twice (Note [Sub-groups]); the
+  // losses are the reference's split the same way, bit for bit, and within the rounding of a
+  // reordered sum of the unsplit one's.
+  TempDir dir;
+  TrainConfig c = small(Offload::Nvme);
+  c.nvme_dir = dir.path();
+  c.host_budget = 300 * 1024;
+  const auto r = train(c);
+  ASSERT_GT(r.sub_groups, 1);
+  EXPECT_EQ(r.sub_groups, (c.hidden + r.sub_group_rows - 1) / r.sub_group_rows);
+  EXPECT_LE(r.peak_host_bytes, r.host_budget);
+  EXPECT_GE(r.bytes_nvme_read, 3 * r.state_bytes);  // every sub-group's states streamed
+
+  TrainConfig ref = small(Offload::None);
+  ref.reference = true;
+  ref.sub_group_rows = r.sub_group_rows;
+  EXPECT_EQ(r.losses, train(ref).losses);
+  ref.sub_group_rows = 0;
+  const auto whole = train(ref).losses;
+  ASSERT_EQ(whole.size(), r.losses.size());
+  for (std::size_t t = 0; t < whole.size(); ++t)
+    EXPECT_NEAR(r.losses[t], whole[t], 1e-5 * whole[t]) << "step " << t;
 }
 
 TEST(ZeroOffloadTrain, AMissingOrReadOnlyNvmeDirectoryIsRefused) {

@@ -326,3 +326,69 @@ def test_a_parameter_larger_than_the_host_budget_trains_in_pieces(tmp_path):
     state = pieces.state_dict()["state"][2]
     assert state["exp_avg"].shape == (512, 512)
     assert torch.equal(state["exp_avg"], whole.state_dict()["state"][2]["exp_avg"])
+
+
+def _faulty_runtime(tmp_path, faults):
+    # The optimizer's own runtime (host backend, states on NVMe), its host tier too small for
+    # the states, with an injected I/O error (io.faults: the N-th read or write fails).
+    return strata.Runtime(
+        {
+            "backend": "host",
+            "device_budget": "4MiB",
+            "host_budget": "800KiB",
+            "host_copy_on_the_way": False,
+            "io": {"faults": faults},
+            "nvme": {"paths": [str(tmp_path)], "capacity": "64MiB", "stripe": "256KiB"},
+            "quiet": True,
+        }
+    )
+
+
+def _notes(e):
+    return "\n".join([str(e)] + getattr(e, "__notes__", []))
+
+
+@pytest.mark.parametrize(
+    "fault,finished",
+    [("read:30:eio", False), ("write:40:eio", True)],
+    ids=["a-read-mid-step", "a-write-back"],
+)
+def test_a_failed_state_io_is_reported_and_the_step_finished_once(fault, finished, tmp_path):
+    # Note [A failed step is finished, not repeated]. An EIO reading a state mid-step raises
+    # strata.IoError saying how far the step got; zero_grad() refuses to drop the gradients
+    # it needs, and step() again updates only the rest. An EIO writing a state back after
+    # every update is reported as such: the state stays in host memory, nothing to redo. Either
+    # way the parameters equal a run without the fault, bit for bit. (prefetch="none": every
+    # read is the step's own, so the N-th read is the same one in every run.)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    models = [_mlp(width=256), _mlp(width=256)]
+    opts = [
+        st.optim.AdamW(
+            m.parameters(), lr=1e-2, prefetch="none", runtime=_faulty_runtime(tmp_path / d, f)
+        )
+        for m, d, f in zip(models, "ab", ([], [fault]))
+    ]
+    batches = _batches(8)
+    _train(models[0], opts[0], batches)
+    failures = []
+    m, o = models[1], opts[1]
+    for x, y in batches:
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        try:
+            o.step()
+        except strata.IoError as e:
+            failures.append(_notes(e))
+            if not finished:
+                with pytest.raises(strata.InvalidArgumentError, match="needs these gradients"):
+                    o.zero_grad()
+                o.step()  # finishes it
+        o.zero_grad()
+    assert len(failures) == 1, failures
+    if finished:
+        assert "updated all 8 parameters" in failures[0] and "Nothing to redo" in failures[0]
+    else:
+        assert "of 8 parameters" in failures[0] and "Call step() again" in failures[0]
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(p, q)
+    assert opts[1].state_dict()["state"][0]["step"].item() == 8.0

@@ -534,6 +534,22 @@ TEST_F(RuntimeTest, AFailedLoadSurfacesOnTheFutureAndTheTensorSurvives) {
   EXPECT_EQ(leased_bytes(lease), data);
 }
 
+TEST_F(RuntimeTest, AFailedLoadForAWriteLeaseLeavesTheOldCopyTheNewest) {
+  // A read-write lease whose load fails wrote nothing: its end must not make the absent copy
+  // the tensor's only current one (every later acquire waited for it forever, found by
+  // strata.torch.optim's retry of a failed step).
+  Budgets b;
+  b.faults = {"read:1:eio"};
+  auto rt = make(b);
+  const auto data = pattern(64 * KiB, 4);
+  const TensorId t = rt->create_tensor(desc("w", data.size()), Tier::Nvme, data.data());
+  LeaseFuture f = rt->acquire(t, Tier::Host, Access::ReadWrite);
+  EXPECT_THROW(f.get(), IoError);
+  EXPECT_FALSE(rt->resident(t, Tier::Host));
+  Lease lease = rt->acquire(t, Tier::Host, Access::ReadWrite).get();
+  EXPECT_EQ(leased_bytes(lease), data);
+}
+
 // Which lanes moved `t`: NVMe reads, host-to-device copies.
 std::pair<int, int> lanes_of(Runtime& rt, TensorId t) {
   rt.synchronize();  // a lease may go out before the last copy's span is recorded

@@ -222,6 +222,10 @@ class _StrataAdam(torch.optim.Optimizer):
         self.updates_during_backward = 0  # counted over the optimizer's life
         self._ready: queue.Queue[torch.nn.Parameter | None] = queue.Queue()
         self._done: set[torch.nn.Parameter] = set()
+        # Note [A failed step is finished, not repeated]: the pieces updated in a step that
+        # failed, so that step() again updates only the rest.
+        self._partial: dict[torch.nn.Parameter, set[int]] = {}
+        self._unfinished: str | None = None  # why the last step() stopped, until it finishes
         self._backwards: dict[torch.nn.Parameter, int] = {}
         self._failure: BaseException | None = None
         self._in_iteration = False
@@ -288,7 +292,9 @@ class _StrataAdam(torch.optim.Optimizer):
                 self._in_iteration = True
 
     def _update(self, p: torch.nn.Parameter) -> None:
-        """One parameter's Adam step (any thread; one at a time)."""
+        """One parameter's Adam step (any thread; one at a time), piece by piece; the pieces
+        already updated in a step that failed are skipped (Note [A failed step is finished, not
+        repeated])."""
         if p in self._done or p.grad is None:
             return
         group, gi, pi = self._where[p]
@@ -300,15 +306,19 @@ class _StrataAdam(torch.optim.Optimizer):
         self._begin()
         beta1, beta2 = group["betas"]
         s = self._states_of(p, f"g{gi}.p{pi}")
-        s.step += 1
+        progress = self._partial.get(p)
+        if progress is None:  # this step's first try for p
+            s.step += 1
+            progress = self._partial[p] = set()
         grad = p.grad.detach()
         if grad.device.type != "cpu" or not grad.is_contiguous():
             grad = grad.to("cpu").contiguous()
         grad = grad.view(-1)
         flat = p.data.view(-1) if p.is_contiguous() else None
         copy = flat if _kernel_copy(p) else None
-        scattered: list[torch.Tensor] = []
-        for piece in s.pieces:
+        for k, piece in enumerate(s.pieces):
+            if k in progress:
+                continue
             lo, hi = piece.lo, piece.hi
             uses = [(piece.states, Tier.HOST, Access.READ_WRITE)]
             with self.pipeline.step(piece.name, uses) as (lease,):
@@ -327,14 +337,13 @@ class _StrataAdam(torch.optim.Optimizer):
                     adamw=self._decoupled,
                     param_copy=None if copy is None else copy[lo:hi],
                 )
-                if s.has_master and copy is None:  # up to the device, rounded if 16-bit
-                    if flat is not None:
-                        flat[lo:hi].copy_(master)
-                    else:  # not contiguous: the whole parameter at once, below
-                        scattered.append(master.clone())
+                if s.has_master and copy is None and flat is not None:
+                    flat[lo:hi].copy_(master)  # up to the device, rounded if 16-bit
                 del rows, master  # arrays keep their leases: let them go now
-        if scattered:
-            p.data.copy_(torch.cat(scattered).view(p.shape))
+                progress.add(k)  # updated: a failure from here on is the write's, not Adam's
+        if s.has_master and flat is None:  # not contiguous: the whole parameter at once
+            p.data.copy_(self._rows(s)[2].view(p.shape))
+        del self._partial[p]
         self._done.add(p)
 
     def _states_of(self, p: torch.nn.Parameter, name: str) -> _States:
@@ -372,20 +381,72 @@ class _StrataAdam(torch.optim.Optimizer):
             norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
             self.last_grad_norm = float(norm)
         self._ready.join()  # the updates queued during backward
+        # Note [A failed step is finished, not repeated]
+        # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+        # A step that fails (an I/O error reading or writing a state, no room) has updated some
+        # parameters (or some pieces of one) and not the others; nothing is lost, since a
+        # state whose write failed stays in the host tier, the newest copy, and is written
+        # again when it leaves. step() raises the error with a note saying how far the step
+        # got, and keeps that: the gradients must stay, and step() again finishes the step,
+        # updating only what was not updated (each piece exactly once: the parameters then
+        # equal a step that never failed, bit for bit). zero_grad() refuses to drop the
+        # gradients of an unfinished step; load_state_dict() abandons it.
+        failure: BaseException | None = None
         try:
             if self._failure is not None:
                 failure, self._failure = self._failure, None
-                raise failure
-            for group in self.param_groups:
-                for p in group["params"]:
-                    self._update(p)
-        finally:
-            self._done.clear()
+            else:
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        self._update(p)
+        except BaseException as e:  # noqa: BLE001 (raised below, with the note)
+            failure = e
+        try:
             with self._lock:
                 if self._in_iteration:
                     self._in_iteration = False
-                    self.pipeline._core.end_iteration()
-        return loss
+                    self.pipeline._core.end_iteration()  # rethrows a failed write-back
+        except BaseException as e:  # noqa: BLE001
+            failure = failure or e
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if failure is None or (not self._partial and all(p in self._done for p in params)):
+            self._done.clear()
+            self._unfinished = None
+            if failure is None:
+                return loss
+            _add_note(
+                failure,
+                f"strata.torch.optim: this step updated all {len(params)} parameters; the "
+                "error is a state's write to NVMe: that state stays in host memory, the "
+                "newest copy, and is written again when it next leaves. Nothing to redo.",
+            )
+            raise failure
+        if isinstance(failure, InvalidArgumentError):  # bad input: a retry fails the same way
+            note = self._progress(params, retryable=False)
+            self._done.clear()
+            self._partial.clear()
+            _add_note(failure, note)
+            raise failure
+        self._unfinished = self._progress(params)
+        _add_note(failure, self._unfinished)
+        raise failure
+
+    def _progress(self, params: list[torch.nn.Parameter], retryable: bool = True) -> str:
+        done = sum(p in self._done for p in params)
+        partial = len(self._partial)
+        head = f"strata.torch.optim: this step updated {done} of {len(params)} parameters" + (
+            f" ({partial} more in part)" if partial else ""
+        )
+        if not retryable:
+            return (
+                head + "; the input is wrong, so a retry would fail the same way: the step "
+                "stays as it is, and the next step() is a new one."
+            )
+        return (
+            head + "; the states are safe (a state that could not be written stays in host "
+            "memory). Call step() again, with the same gradients, to finish the step (what was "
+            "updated is not updated twice), or load_state_dict() a checkpoint to abandon it."
+        )
 
     # ---- torch.optim.AdamW's checkpoint format -----------------------------------------------
 
@@ -430,6 +491,9 @@ class _StrataAdam(torch.optim.Optimizer):
         group, and each parameter's step and moments; the master weights from "master" when
         present, else from the parameter itself."""
         groups = state_dict["param_groups"]
+        self._done.clear()  # an unfinished step is abandoned
+        self._partial.clear()
+        self._unfinished = None
         if len(groups) != len(self.param_groups):
             raise InvalidArgumentError(
                 f"load_state_dict: {len(groups)} param groups, the optimizer has "
@@ -477,7 +541,19 @@ class _StrataAdam(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._ready.join()  # no update may be reading a gradient it clears
+        if self._unfinished is not None:
+            raise InvalidArgumentError(
+                "zero_grad(): the last step() failed and needs these gradients to finish "
+                f"(Note [A failed step is finished, not repeated]). {self._unfinished}"
+            )
         super().zero_grad(set_to_none)
+
+
+def _add_note(e: BaseException, note: str) -> None:
+    if hasattr(e, "add_note"):  # Python 3.11+
+        e.add_note(note)
+    elif e.args and isinstance(e.args[0], str):
+        e.args = (f"{e.args[0]}\n{note}",) + e.args[1:]
 
 
 class Adam(_StrataAdam):

@@ -111,7 +111,12 @@ Lease LeaseFuture::get() {
   if (!c.ready) {
     const std::exception_ptr error = c.error;
     lock.unlock();
-    std::rethrow_exception(error);  // ~Lease gives the pin back
+    // The copy never arrived: the lease ends having written nothing, whatever its access, so
+    // the copy it was loaded from stays the newest (a write lease's release would make this
+    // absent copy the only current one, and every later acquire wait for it forever).
+    lease.runtime_ = nullptr;
+    rt.end_lease(tensor_, tier_, access_, /*wrote=*/false);
+    std::rethrow_exception(error);
   }
   lease.data_ = c.ptr;
   lease.bytes_ = t.desc.bytes;
