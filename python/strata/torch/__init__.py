@@ -21,10 +21,12 @@ from ._checkpoint import checkpoint_files, map_checkpoint
 from ._load import load_model, parameters_on_meta
 from ._offload import Block, Offloaded, find_blocks, offload
 from ._runtimes import make_runtime
+from ._zero import DistributedError
 
 __all__ = [
     "ActivationOffload",
     "Block",
+    "DistributedError",
     "Offloaded",
     "checkpoint_files",
     "find_blocks",

@@ -157,6 +157,9 @@ class _StrataAdam(torch.optim.Optimizer):
         overlap: bool = False,
         accumulation_steps: int = 1,
         sub_group_size: int | None = None,
+        partition: bool = False,
+        process_group: Any = None,
+        bucket_size: int = 1 << 22,
     ) -> None:
         if offload not in _OFFLOAD:
             raise InvalidArgumentError(f'offload: {offload!r} is not "host" or "nvme"')
@@ -191,6 +194,12 @@ class _StrataAdam(torch.optim.Optimizer):
             for g in self.param_groups
             for p in g["params"]
         )
+        if partition:  # Note [Shards]: this rank keeps 1/N of the states
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                world = dist.get_world_size(process_group)
+                param_bytes = param_bytes // world + 3 * _STRIPE * (len(self.param_groups) + 8)
         self.runtime = runtime or _runtime(
             offload, host_budget, nvme_dir, nvme_capacity, param_bytes
         )
@@ -218,7 +227,7 @@ class _StrataAdam(torch.optim.Optimizer):
         # worker's failure. Each update is the same call on the same values as without overlap:
         # the results are bit-identical.
         self.accumulation_steps = accumulation_steps
-        self.overlap = overlap and max_grad_norm is None
+        self.overlap = overlap and max_grad_norm is None and not partition
         self.updates_during_backward = 0  # counted over the optimizer's life
         self._ready: queue.Queue[torch.nn.Parameter | None] = queue.Queue()
         self._done: set[torch.nn.Parameter] = set()
@@ -235,6 +244,11 @@ class _StrataAdam(torch.optim.Optimizer):
         self._where: dict[torch.nn.Parameter, tuple[dict, int, int]] = {}
         for gi in range(len(self.param_groups)):
             self._track(gi)
+        self._zero = None
+        if partition:
+            from ._zero import Zero
+
+            self._zero = Zero(self, process_group, bucket_size)
         if self._hooks:
             self._worker = threading.Thread(
                 target=_work,
@@ -279,6 +293,8 @@ class _StrataAdam(torch.optim.Optimizer):
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        if self._zero is not None:
+            self._zero.close()
         self._ready.join()
         if self._worker is not None:
             self._ready.put(None)
@@ -374,6 +390,15 @@ class _StrataAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._zero is not None:  # Note [Shards]: clipping happens on the shards there
+            self._begin()
+            try:
+                self._zero.step()
+            finally:
+                with self._lock:
+                    self._in_iteration = False
+                    self.pipeline._core.end_iteration()
+            return loss
         if self.max_grad_norm is not None:
             # torch.nn.utils.clip_grad_norm_ itself, so the clipped step is torch's exactly: the
             # global norm needs every gradient before any update.
@@ -463,6 +488,8 @@ class _StrataAdam(torch.optim.Optimizer):
         (fp32, the parameter's shape), plus "master" (the fp32 master weights, which torch
         ignores and keeps) for parameters that are not their own master (Note [Where the
         master weights live]), and param_groups with their hyperparameters."""
+        if self._zero is not None:
+            return self._zero.state_dict()
         index = 0
         state: dict[int, dict[str, torch.Tensor]] = {}
         groups = []
@@ -491,6 +518,13 @@ class _StrataAdam(torch.optim.Optimizer):
         group, and each parameter's step and moments; the master weights from "master" when
         present, else from the parameter itself."""
         groups = state_dict["param_groups"]
+        if self._zero is not None:
+            for mine, theirs in zip(self.param_groups, groups):
+                for k, v in theirs.items():
+                    if k != "params":
+                        mine[k] = v
+            self._zero.load_state_dict(state_dict)
+            return
         self._done.clear()  # an unfinished step is abandoned
         self._partial.clear()
         self._unfinished = None

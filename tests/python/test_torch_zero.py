@@ -1,0 +1,98 @@
+"""strata.torch.optim with partition=True (ZeRO across ranks, Note [Shards] in
+strata/torch/_zero.py): torchrun on CPU with gloo, 2 and 3 ranks, against single-process
+torch.optim.AdamW over the same global batch; host vs NVMe bitwise; a checkpoint saved with 2
+ranks resumed with 3; a rank whose state I/O fails makes every rank raise, naming it."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import strata
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from zero_worker import GLOBAL_BATCH, batches, mlp  # noqa: E402
+
+STEPS = 10
+# Tolerance: each rank's gradient is the mean over its slice, and reduce_scatter averages the
+# ranks' means: the same sum as one process's mean over the global batch in another order, so
+# the gradients differ by a few ulps; Adam divides by sqrt(v), so a parameter's step differs by
+# a few ulps of lr, and STEPS steps by STEPS x 4 ulps of the largest parameter.
+TOL = STEPS * 4 * 2.0**-24
+
+
+def torchrun(n, *args, timeout=240):
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",  # a free port on this machine
+        "--nproc_per_node",
+        str(n),
+        str(HERE / "zero_worker.py"),
+        *map(str, args),
+    ]
+    # The ranks import the strata this test imported (a build tree's or an installed one).
+    where = str(Path(strata.__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([where, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=HERE, env=env)
+    assert out.returncode == 0, out.stderr[-4000:]
+
+
+def single_process(steps, first=0, start=None):
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+    if start is not None:
+        model.load_state_dict(start["model"])
+        opt.load_state_dict(start["optimizer"])
+    for x, y in batches(first + steps)[first:]:
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach() for p in model.parameters()]
+
+
+def max_rel(a, b):
+    return max((p - q).abs().max().item() / q.abs().max().item() for p, q in zip(a, b))
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_ranks_train_as_one_process_and_host_equals_nvme(n, tmp_path):
+    for offload in ("host", "nvme"):
+        torchrun(n, tmp_path / f"{offload}.pt", offload, STEPS)
+    host, nvme = (torch.load(tmp_path / f"{o}.pt") for o in ("host", "nvme"))
+    assert all(torch.equal(p, q) for p, q in zip(host["params"], nvme["params"]))
+    assert host["losses"] == nvme["losses"]
+    ref = single_process(STEPS)
+    assert max_rel(host["params"], ref) <= TOL, max_rel(host["params"], ref)
+    # Each rank holds 1/n of the states, within a bucket's padding (n - 1 elements each).
+    total = sum(p.numel() for p in mlp().parameters())
+    buckets = -(-total // 1000) + 4  # bucket_size 1000, cut at parameter boundaries
+    for elements in host["offloaded"]:
+        assert abs(elements - total / n) <= buckets * n, host["offloaded"]
+    assert GLOBAL_BATCH % n == 0
+
+
+def test_a_checkpoint_saved_with_two_ranks_resumes_with_three(tmp_path):
+    ckpt = tmp_path / "ckpt.pt"
+    torchrun(2, tmp_path / "first.pt", "host", 5, "--save", ckpt)
+    torchrun(2, tmp_path / "two.pt", "host", 1, "--load", ckpt, "--first", 5)
+    torchrun(3, tmp_path / "three.pt", "nvme", 1, "--load", ckpt, "--first", 5)
+    two, three = (torch.load(tmp_path / f"{k}.pt")["params"] for k in ("two", "three"))
+    # One step from the same state: within a step's rounding of the reordered gradient mean.
+    assert max_rel(three, two) <= 4 * 2.0**-24 * 8, max_rel(three, two)
+    # The gathered state is torch.optim.AdamW's: torch takes it and steps the same way.
+    saved = torch.load(ckpt)
+    assert saved["optimizer"]["state"][0]["step"].item() == 5.0
+    ref = single_process(1, first=5, start=saved)
+    assert max_rel(two, ref) <= 4 * 2.0**-24 * 8, max_rel(two, ref)
+
+
+def test_a_rank_whose_state_io_fails_makes_every_rank_raise_naming_it(tmp_path):
+    torchrun(2, tmp_path / "out.pt", "nvme", 4, "--fail-rank", 1, "--width", 256)
+    out = torch.load(tmp_path / "out.pt")
+    assert out["error"] is not None and "rank 1 of 2 failed its optimizer step" in out["error"]
+    assert "IoError" in out["error"] and "Input/output error" in out["error"]

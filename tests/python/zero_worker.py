@@ -1,0 +1,124 @@
+"""One rank of the ZeRO tests (test_torch_zero.py), launched by torchrun on gloo: an MLP
+trained with strata.torch.optim.AdamW(partition=True) on its slice of a global batch.
+
+  zero_worker.py OUT OFFLOAD STEPS [--save CKPT] [--load CKPT] [--fail-rank R]
+
+Rank 0 writes OUT (torch.save): the parameters after the steps, the losses, each rank's
+offloaded elements and, with --save, the optimizer's gathered state after the steps to CKPT.
+--load starts from CKPT (parameters and optimizer state) instead of from the seed.
+--fail-rank R makes rank R's state I/O fail during the second step (io.faults)."""
+
+import argparse
+import datetime
+import os
+import tempfile
+
+import strata
+import strata.torch as st
+import torch
+import torch.distributed as dist
+
+GLOBAL_BATCH = 12
+
+
+def mlp(width=48):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, width),
+        torch.nn.GELU(),
+        torch.nn.Linear(width, width),
+        torch.nn.Linear(width, 4),
+    )
+
+
+def batches(n):
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randn(GLOBAL_BATCH, 4, generator=g))
+        for _ in range(n)
+    ]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("offload")
+    ap.add_argument("steps", type=int)
+    ap.add_argument("--save")
+    ap.add_argument("--load")
+    ap.add_argument("--first", type=int, default=0, help="index of the first batch")
+    ap.add_argument("--fail-rank", type=int, default=-1)
+    ap.add_argument("--width", type=int, default=48)
+    args = ap.parse_args()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    model = mlp(args.width)
+    nvme = tempfile.mkdtemp(prefix=f"strata-zero-rank{rank}-")  # each rank its own directory
+    kw = {
+        "lr": 1e-2,
+        "weight_decay": 0.01,
+        "offload": args.offload,
+        "partition": True,
+        "bucket_size": 1000,
+    }
+    if args.offload == "nvme":
+        kw["nvme_dir"] = nvme
+    if args.fail_rank == rank:
+        kw["runtime"] = strata.Runtime(
+            {
+                "backend": "host",
+                "device_budget": "4MiB",
+                "host_budget": "320KiB",
+                "host_copy_on_the_way": False,
+                "io": {"faults": ["read:6:eio"]},
+                "nvme": {"paths": [nvme], "capacity": "64MiB", "stripe": "256KiB"},
+                "quiet": True,
+            }
+        )
+        kw["offload"] = "nvme"
+        kw["prefetch"] = "none"  # every read is the step's own: the 6th fails in a step
+    opt = st.optim.AdamW(model.parameters(), **kw)
+    if args.load:
+        saved = torch.load(args.load)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+    per_rank = GLOBAL_BATCH // world
+    losses, error = [], None
+    for x, y in batches(args.first + args.steps)[args.first :]:
+        xs, ys = (
+            x[rank * per_rank : (rank + 1) * per_rank],
+            y[rank * per_rank : (rank + 1) * per_rank],
+        )
+        loss = torch.nn.functional.mse_loss(model(xs), ys)
+        loss.backward()
+        try:
+            opt.step()
+        except st.DistributedError as e:
+            error = str(e)
+            break
+        opt.zero_grad()
+        losses.append(loss.item())
+    state = opt.state_dict() if args.save and error is None else None
+    offloaded = [None] * world
+    dist.all_gather_object(offloaded, opt._zero.offloaded_elements)
+    if rank == 0:
+        torch.save(
+            {
+                "params": [p.detach().clone() for p in model.parameters()],
+                "losses": losses,
+                "offloaded": offloaded,
+                "error": error,
+            },
+            args.out,
+        )
+        if state is not None:
+            torch.save({"model": model.state_dict(), "optimizer": state}, args.save)
+    if args.fail_rank >= 0 and rank != 0:  # every rank saw the same error
+        assert error is not None and f"rank {args.fail_rank} of {world}" in error, error
+    opt.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
