@@ -10,7 +10,6 @@ offloaded elements and, with --save, the optimizer's gathered state after the st
 
 import argparse
 import datetime
-import os
 import tempfile
 
 import strata
