@@ -240,6 +240,10 @@ def test_bad_input_is_a_clear_error(tmp_path):
         st.optim.AdamW(model.parameters(), offload="disk")
     with pytest.raises(strata.OutOfMemoryError, match=r"sub_group_size 1000000: a piece's"):
         st.optim.AdamW(model.parameters(), host_budget="4MiB", sub_group_size=1_000_000)
+    # offload="host" keeps every state in the host tier: too small a budget is refused up front
+    # (it used to hang in the first step that needed a state that had not fitted).
+    with pytest.raises(strata.OutOfMemoryError, match='offload="host": the optimizer states take'):
+        st.optim.AdamW(torch.nn.Linear(512, 512).parameters(), offload="host", host_budget="1MiB")
     emb = torch.nn.Embedding(100, 8, sparse=True)
     opt = st.optim.AdamW(emb.parameters())
     emb(torch.tensor([1, 2])).sum().backward()

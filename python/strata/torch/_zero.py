@@ -331,6 +331,15 @@ class Zero:
                     a, z = seg.param_lo + piece.lo, seg.param_lo + piece.hi
                     self.opt.runtime.write(piece.states, rows[:, a:z].contiguous())
 
+    def state_bytes(self) -> int:
+        """This rank's states in the host tier's pages (three fp32 rows a piece)."""
+        return sum(
+            (12 * (piece.hi - piece.lo) + 4095) // 4096 * 4096
+            for b in self.buckets
+            for seg in b.segments
+            for piece in seg.pieces
+        )
+
     def close(self) -> None:
         for h in self._hooks:
             h.remove()

@@ -82,6 +82,14 @@ class _States:
     step: int = 0
 
 
+def _in_pages(nbytes: int) -> int:
+    return (nbytes + 4095) // 4096 * 4096
+
+
+def _piece_sizes(n: int, size: int) -> list[int]:
+    return [min(size, n - lo) for lo in range(0, max(n, 1), size)]
+
+
 def _own_master(p: torch.Tensor) -> bool:
     return p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous()
 
@@ -249,6 +257,23 @@ class _StrataAdam(torch.optim.Optimizer):
             from ._zero import Zero
 
             self._zero = Zero(self, process_group, bucket_size)
+        if offload == "host" and runtime is None:  # all in the host tier: no NVMe to spill to
+            need = (
+                self._zero.state_bytes()
+                if self._zero is not None
+                else sum(
+                    _in_pages(4 * (2 if _own_master(p) else 3) * n)
+                    for g in self.param_groups
+                    for p in g["params"]
+                    for n in _piece_sizes(p.numel(), self.sub_group_size)
+                )
+            )
+            if need > host:
+                raise OutOfMemoryError(
+                    f'offload="host": the optimizer states take {need} bytes and the host tier '
+                    f"holds {host} (host_budget less the staging slots): raise host_budget or "
+                    'use offload="nvme"'
+                )
         if self._hooks:
             self._worker = threading.Thread(
                 target=_work,
