@@ -40,7 +40,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import optim as _kernel
 from .._core import Access, Tier
 from .._errors import Error, InvalidArgumentError
 
@@ -215,6 +214,10 @@ class Zero:
             dist.all_gather_into_tensor(full, u, group=self.group)
             for (_, p), off in zip(b.params, b.offsets):
                 p.data.copy_(full[off : off + p.numel()].view(p.shape))
+        self._reset()
+
+    def _reset(self) -> None:
+        """No bucket launched: the next step's hooks start over."""
         for b in self.buckets:
             b.ready, b.work, b.grad_shard = 0, None, None
 
@@ -236,18 +239,7 @@ class Zero:
                     piece.states.name, [(piece.states, Tier.HOST, Access.READ_WRITE)]
                 ) as (lease,):
                     rows = torch.from_dlpack(lease)
-                    _kernel.adam_step(
-                        rows[2],
-                        grad[lo:hi],
-                        rows[0],
-                        rows[1],
-                        step=step,
-                        lr=group["lr"],
-                        betas=group["betas"],
-                        eps=group["eps"],
-                        weight_decay=group["weight_decay"],
-                        adamw=self.opt._decoupled,
-                    )
+                    self.opt._adam(rows, rows[2], grad[lo:hi], step, group)
                     out[lo:hi] = rows[2]
                     del rows
         return out.to(b.params[0][1].device)
@@ -263,8 +255,7 @@ class Zero:
         messages: list[Any] = [None] * self.world
         mine = None if failure is None else f"{type(failure).__name__}: {failure}"
         dist.all_gather_object(messages, mine, group=self.group)
-        for b in self.buckets:
-            b.ready, b.work, b.grad_shard = 0, None, None
+        self._reset()
         raise DistributedError(
             f"rank {failed} of {self.world} failed its optimizer step: {messages[failed]}; "
             "no rank gathered the updated parameters"
@@ -314,7 +305,9 @@ class Zero:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Takes this rank's shards from a whole torch.optim.AdamW state (saved with any number
-        of ranks, or by torch itself); the master weights from "master", else the parameter."""
+        of ranks, or by torch itself); the master weights from "master", else the parameter.
+        The caller (the optimizer's load_state_dict) has checked the groups and taken their
+        hyperparameters."""
         self.steps.clear()
         for b in self.buckets:
             for seg in b.segments:
@@ -333,8 +326,10 @@ class Zero:
 
     def state_bytes(self) -> int:
         """This rank's states in the host tier's pages (three fp32 rows a piece)."""
+        from .optim import _in_pages
+
         return sum(
-            (12 * (piece.hi - piece.lo) + 4095) // 4096 * 4096
+            _in_pages(12 * (piece.hi - piece.lo))
             for b in self.buckets
             for seg in b.segments
             for piece in seg.pieces

@@ -206,8 +206,13 @@ class _StrataAdam(torch.optim.Optimizer):
             import torch.distributed as dist
 
             if dist.is_available() and dist.is_initialized():
+                # The shard's 12 bytes an element, and a stripe for each piece's start: a
+                # segment per parameter and bucket at most, plus one per 256 Ki elements.
                 world = dist.get_world_size(process_group)
-                param_bytes = param_bytes // world + 3 * _STRIPE * (len(self.param_groups) + 8)
+                params = [p for g in self.param_groups for p in g["params"]]
+                elements = sum(p.numel() for p in params) // world + len(params)
+                pieces = 2 * len(params) + elements // bucket_size + elements // (1 << 18) + 1
+                param_bytes = 12 * elements + _STRIPE * pieces
         self.runtime = runtime or _runtime(
             offload, host_budget, nvme_dir, nvme_capacity, param_bytes
         )
@@ -345,7 +350,6 @@ class _StrataAdam(torch.optim.Optimizer):
                 "ones; use torch.optim.SparseAdam for sparse embeddings)"
             )
         self._begin()
-        beta1, beta2 = group["betas"]
         s = self._states_of(p, f"g{gi}.p{pi}")
         progress = self._partial.get(p)
         if progress is None:  # this step's first try for p
@@ -365,17 +369,12 @@ class _StrataAdam(torch.optim.Optimizer):
             with self.pipeline.step(piece.name, uses) as (lease,):
                 rows = torch.from_dlpack(lease)
                 master = rows[2] if s.has_master else flat[lo:hi]
-                _kernel.adam_step(
+                self._adam(
+                    rows,
                     master,
                     grad[lo:hi],
-                    rows[0],
-                    rows[1],
-                    step=s.step,
-                    lr=group["lr"],
-                    betas=(beta1, beta2),
-                    eps=group["eps"],
-                    weight_decay=group["weight_decay"],
-                    adamw=self._decoupled,
+                    s.step,
+                    group,
                     param_copy=None if copy is None else copy[lo:hi],
                 )
                 if s.has_master and copy is None and flat is not None:
@@ -386,6 +385,31 @@ class _StrataAdam(torch.optim.Optimizer):
             p.data.copy_(self._rows(s)[2].view(p.shape))
         del self._partial[p]
         self._done.add(p)
+
+    def _adam(
+        self,
+        rows: torch.Tensor,
+        master: torch.Tensor,
+        grad: torch.Tensor,
+        step: int,
+        group: dict,
+        param_copy: torch.Tensor | None = None,
+    ) -> None:
+        """strata's CPU Adam(W) on one piece: moments rows[0] and rows[1], with `group`'s
+        hyperparameters (this class's update and the partitioned one's, Note [Shards])."""
+        _kernel.adam_step(
+            master,
+            grad,
+            rows[0],
+            rows[1],
+            step=step,
+            lr=group["lr"],
+            betas=tuple(group["betas"]),
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            adamw=self._decoupled,
+            param_copy=param_copy,
+        )
 
     def _states_of(self, p: torch.nn.Parameter, name: str) -> _States:
         s = self._states.get(p)
@@ -543,13 +567,6 @@ class _StrataAdam(torch.optim.Optimizer):
         group, and each parameter's step and moments; the master weights from "master" when
         present, else from the parameter itself."""
         groups = state_dict["param_groups"]
-        if self._zero is not None:
-            for mine, theirs in zip(self.param_groups, groups):
-                for k, v in theirs.items():
-                    if k != "params":
-                        mine[k] = v
-            self._zero.load_state_dict(state_dict)
-            return
         self._done.clear()  # an unfinished step is abandoned
         self._partial.clear()
         self._unfinished = None
@@ -569,6 +586,9 @@ class _StrataAdam(torch.optim.Optimizer):
                 if k != "params":
                     mine[k] = v
             params += list(zip(theirs["params"], mine["params"]))
+        if self._zero is not None:  # each rank takes its shards (Note [Shards])
+            self._zero.load_state_dict(state_dict)
+            return
         gi_of = {}
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
