@@ -3,6 +3,7 @@ strata/torch/_zero.py): torchrun on CPU with gloo, 2 and 3 ranks, against single
 torch.optim.AdamW over the same global batch; host vs NVMe bitwise; a checkpoint saved with 2
 ranks resumed with 3; a rank whose state I/O fails makes every rank raise, naming it."""
 
+import json
 import os
 import subprocess
 import sys
@@ -98,3 +99,16 @@ def test_a_rank_whose_state_io_fails_makes_every_rank_raise_naming_it(tmp_path):
     out = torch.load(tmp_path / "out.pt")
     assert out["error"] is not None and "rank 1 of 2 failed its optimizer step" in out["error"]
     assert "IoError" in out["error"] and "Input/output error" in out["error"]
+
+
+def test_a_rank_that_hangs_makes_the_others_raise_after_the_timeout_set(tmp_path):
+    out = tmp_path / "out"
+    torchrun(2, out, "host", 3, "--hang-rank", 1, "--timeout", 4)
+    reports = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
+    # Rank 0 waited in the first collective of step 2 for the process group's 4 s, then raised
+    # naming it; rank 1, back from its stop, found its peer gone and raised too.
+    for r, report in enumerate(reports):
+        assert report["steps"] == 1, report
+        error = report["error"]
+        assert error is not None and f"rank {r} of 2: the reduce-scatter of bucket" in error
+        assert "init_process_group(timeout=...)" in error

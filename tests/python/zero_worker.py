@@ -6,11 +6,18 @@ trained with strata.torch.optim.AdamW(partition=True) on its slice of a global b
 Rank 0 writes OUT (torch.save): the parameters after the steps, the losses, each rank's
 offloaded elements and, with --save, the optimizer's gathered state after the steps to CKPT.
 --load starts from CKPT (parameters and optimizer state) instead of from the seed.
---fail-rank R makes rank R's state I/O fail during the second step (io.faults)."""
+--fail-rank R makes rank R's state I/O fail during the second step (io.faults).
+--hang-rank R makes rank R stop for twice the process group's --timeout before its second step:
+each rank records the error it raised (rank R's own peers are gone by then) and exits."""
 
 import argparse
 import datetime
+import faulthandler
+import json
+import os
+import sys
 import tempfile
+import time
 
 import strata
 import strata.torch as st
@@ -39,6 +46,7 @@ def batches(n):
 
 
 def main():
+    faulthandler.enable()  # an abort prints where each thread was
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("offload")
@@ -48,8 +56,10 @@ def main():
     ap.add_argument("--first", type=int, default=0, help="index of the first batch")
     ap.add_argument("--fail-rank", type=int, default=-1)
     ap.add_argument("--width", type=int, default=48)
+    ap.add_argument("--hang-rank", type=int, default=-1)
+    ap.add_argument("--timeout", type=float, default=60)
     args = ap.parse_args()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     model = mlp(args.width)
@@ -84,20 +94,27 @@ def main():
         opt.load_state_dict(saved["optimizer"])
     per_rank = GLOBAL_BATCH // world
     losses, error = [], None
-    for x, y in batches(args.first + args.steps)[args.first :]:
+    for i, (x, y) in enumerate(batches(args.first + args.steps)[args.first :]):
+        if i == 1 and rank == args.hang_rank:
+            time.sleep(2 * args.timeout)  # a rank that hangs: the others must not wait forever
         xs, ys = (
             x[rank * per_rank : (rank + 1) * per_rank],
             y[rank * per_rank : (rank + 1) * per_rank],
         )
         loss = torch.nn.functional.mse_loss(model(xs), ys)
-        loss.backward()
         try:
+            loss.backward()  # launches the buckets' reduce-scatters as they fill
             opt.step()
         except st.DistributedError as e:
             error = str(e)
             break
         opt.zero_grad()
         losses.append(loss.item())
+    if args.hang_rank >= 0:  # the process group is broken: each rank reports on its own
+        with open(f"{args.out}.rank{rank}.json", "w") as f:
+            json.dump({"error": error, "steps": len(losses)}, f)
+        opt.close()
+        exit_now()
     state = opt.state_dict() if args.save and error is None else None
     offloaded = [None] * world
     dist.all_gather_object(offloaded, opt._zero.offloaded_elements)
@@ -117,6 +134,18 @@ def main():
         assert error is not None and f"rank {args.fail_rank} of {world}" in error, error
     opt.close()
     dist.destroy_process_group()
+    exit_now()
+
+
+def exit_now() -> None:
+    """Ends the rank without the interpreter's finalisation. With torch 2.15 on gloo, the process
+    group outlives destroy_process_group() once an optimizer exists (torch.optim's own too), and
+    a gloo worker thread still dropping the last collective's tensors takes the GIL while the
+    interpreter finalises: an abort, "terminate called without an active exception" (torch
+    issue 190489), about one exit in five here. Nothing is left to flush but stdio."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

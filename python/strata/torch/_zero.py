@@ -28,12 +28,16 @@ failing rank): a rank whose update failed (an I/O error, no room) sends its mess
 rank raises strata.DistributedError naming that rank and its error, instead of one rank raising
 while the others wait in the next collective. A rank that dies or hangs is caught by the
 process group's own timeout (``init_process_group(timeout=...)``), which every collective here
-runs under.
+runs under: a collective that times out or loses a peer raises DistributedError on the ranks
+that see it, naming the collective, the bucket and this rank, and the step's buckets are
+dropped (the next step starts over) rather than left half-launched.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -175,9 +179,24 @@ class Zero:
                     )
                 flat[off : off + p.numel()].copy_(p.grad.detach().reshape(-1))
         b.grad_shard = torch.empty(b.shard, dtype=torch.float32, device=device)
-        b.work = dist.reduce_scatter_tensor(
-            b.grad_shard, flat, op=dist.ReduceOp.AVG, group=self.group, async_op=True
-        )
+        with self._collective(f"reduce-scatter of bucket {self.buckets.index(b)}"):
+            b.work = dist.reduce_scatter_tensor(
+                b.grad_shard, flat, op=dist.ReduceOp.AVG, group=self.group, async_op=True
+            )
+
+    @contextlib.contextmanager
+    def _collective(self, what: str) -> Iterator[None]:
+        """A collective that fails here (a time-out of the process group, a peer that went
+        away) raises DistributedError naming it (Note [A rank that fails])."""
+        try:
+            yield
+        except RuntimeError as e:  # torch.distributed.DistError and its subclasses among them
+            self._reset()
+            raise DistributedError(
+                f"rank {self.rank} of {self.world}: the {what} failed ({type(e).__name__}: "
+                f"{e}); a rank that stopped or hung is the usual cause, and the process group's "
+                "timeout (init_process_group(timeout=...)) bounds the wait"
+            ) from e
 
     # ---- the step ----------------------------------------------------------------------------
 
@@ -185,13 +204,15 @@ class Zero:
         for b in self.buckets:  # what the hooks did not launch, in the same order everywhere
             if b.work is None:
                 self._launch(b)
-        for b in self.buckets:
-            b.work.wait()
+        for k, b in enumerate(self.buckets):
+            with self._collective(f"reduce-scatter of bucket {k}"):
+                b.work.wait()
         grads = [b.grad_shard.to("cpu") for b in self.buckets]
         if self.opt.max_grad_norm is not None:
             sq = torch.tensor([sum(float(g.double().square().sum()) for g in grads)])
             sq = sq.to(self.buckets[0].grad_shard.device) if self.buckets else sq
-            dist.all_reduce(sq, group=self.group)
+            with self._collective("all-reduce of the gradient norm"):
+                dist.all_reduce(sq, group=self.group)
             norm = math.sqrt(float(sq))
             self.opt.last_grad_norm = norm
             coef = self.opt.max_grad_norm / (norm + 1e-6)
@@ -209,9 +230,10 @@ class Zero:
         except BaseException as e:  # noqa: BLE001 (every rank raises, Note [A rank that fails])
             failure = e
         self._agree(failure)
-        for b, u in zip(self.buckets, updated):
+        for k, (b, u) in enumerate(zip(self.buckets, updated)):
             full = torch.empty(b.size, dtype=torch.float32, device=u.device)
-            dist.all_gather_into_tensor(full, u, group=self.group)
+            with self._collective(f"all-gather of bucket {k}'s parameters"):
+                dist.all_gather_into_tensor(full, u, group=self.group)
             for (_, p), off in zip(b.params, b.offsets):
                 p.data.copy_(full[off : off + p.numel()].view(p.shape))
         self._reset()
@@ -248,13 +270,15 @@ class Zero:
         """Note [A rank that fails]: every rank learns the lowest failing rank and raises."""
         device = self.buckets[0].params[0][1].device if self.buckets else torch.device("cpu")
         flag = torch.tensor([self.world if failure is None else self.rank], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        with self._collective("agreement on the step's failures (all-reduce)"):
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         failed = int(flag)
         if failed == self.world:
             return
         messages: list[Any] = [None] * self.world
         mine = None if failure is None else f"{type(failure).__name__}: {failure}"
-        dist.all_gather_object(messages, mine, group=self.group)
+        with self._collective("all-gather of the failures' messages"):
+            dist.all_gather_object(messages, mine, group=self.group)
         self._reset()
         raise DistributedError(
             f"rank {failed} of {self.world} failed its optimizer step: {messages[failed]}; "
@@ -281,7 +305,8 @@ class Zero:
             device = b.params[0][1].device
             mine = self._shard_rows(b).to(device)
             full = torch.empty((self.world * 3, b.shard), dtype=torch.float32, device=device)
-            dist.all_gather_into_tensor(full, mine, group=self.group)  # ranks' rows, stacked
+            with self._collective("all-gather of the states for state_dict()"):
+                dist.all_gather_into_tensor(full, mine, group=self.group)  # ranks' rows, stacked
             whole = full.view(self.world, 3, b.shard).permute(1, 0, 2).reshape(3, b.size)
             whole = whole.to("cpu")
             for (index, p), off in zip(b.params, b.offsets):
