@@ -12,6 +12,7 @@ void register_copy(CLI::App& app);
 void register_io(CLI::App& app);
 void register_overlap(CLI::App& app);
 void register_adam(CLI::App& app);
+void register_dequant(CLI::App& app);
 }  // namespace strata::bench
 
 int main(int argc, char** argv) {
@@ -22,6 +23,7 @@ int main(int argc, char** argv) {
   strata::bench::register_io(app);
   strata::bench::register_overlap(app);
   strata::bench::register_adam(app);
+  strata::bench::register_dequant(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

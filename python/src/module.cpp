@@ -24,6 +24,7 @@
 #include "strata/base/error.h"
 #include "strata/base/units.h"
 #include "strata/optim/adam.h"
+#include "strata/quant/group_quant.h"
 #include "strata/runtime/runtime.h"
 #include "strata/runtime/safetensors.h"
 #include "strata/runtime/telemetry.h"
@@ -106,8 +107,7 @@ void make_ready(const LeaseBox& box, std::optional<std::intptr_t> stream) {
                           "DLPack stream 0 is ambiguous: pass 1 (legacy default), 2 (per-thread "
                           "default), a stream handle, or -1 (no synchronization)");
     if (*stream != -1 && box.lease.event() != nullptr)
-      box.backend->wait_on_foreign_stream(*box.lease.event(),
-                                          static_cast<std::uintptr_t>(*stream));
+      box.backend->wait_on_foreign_stream(*box.lease.event(), static_cast<std::uintptr_t>(*stream));
     return;
   }
   nb::gil_scoped_release unlocked;
@@ -240,10 +240,9 @@ DType array_dtype(const AnyArray& a, const char* what) {
     return DType::BF16;
   if (d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float) && d.bits == 16)
     return DType::F16;
-  throw strata::Error(
-      strata::Errc::invalid_argument,
-      strata::detail::concat("adam_step: ", what, " must be float32, bfloat16 or float16 (code ",
-                             int(d.code), ", ", int(d.bits), " bits)"));
+  throw strata::Error(strata::Errc::invalid_argument,
+                      strata::detail::concat(what, " must be float32, bfloat16 or float16 (code ",
+                                             int(d.code), ", ", int(d.bits), " bits)"));
 }
 
 }  // namespace
@@ -527,9 +526,9 @@ NB_MODULE(_core, m) {
             throw strata::Error(strata::Errc::invalid_argument,
                                 strata::detail::concat("adam_step: ", what, " has ", a->size(),
                                                        " elements, params ", n));
-        const DType param_dtype = array_dtype(params, "params");
-        const DType state_dtype = array_dtype(exp_avg, "exp_avg");
-        if (array_dtype(exp_avg_sq, "exp_avg_sq") != state_dtype)
+        const DType param_dtype = array_dtype(params, "adam_step: params");
+        const DType state_dtype = array_dtype(exp_avg, "adam_step: exp_avg");
+        if (array_dtype(exp_avg_sq, "adam_step: exp_avg_sq") != state_dtype)
           throw strata::Error(strata::Errc::invalid_argument,
                               "adam_step: exp_avg and exp_avg_sq must have one dtype");
         const strata::optim::AdamConfig c{lr, beta1, beta2, eps, weight_decay, adamw};
@@ -545,7 +544,7 @@ NB_MODULE(_core, m) {
           args.exp_avg_sq = exp_avg_sq.data();
           args.state_dtype = state_dtype;
           args.grads = grads.data();
-          args.grad_dtype = array_dtype(grads, "grads");
+          args.grad_dtype = array_dtype(grads, "adam_step: grads");
           args.count = n;
           args.step = step;
           nb::gil_scoped_release unlocked;
@@ -560,11 +559,11 @@ NB_MODULE(_core, m) {
         args.exp_avg = static_cast<float*>(exp_avg.data());
         args.exp_avg_sq = static_cast<float*>(exp_avg_sq.data());
         args.grads = grads.data();
-        args.grad_dtype = array_dtype(grads, "grads");
+        args.grad_dtype = array_dtype(grads, "adam_step: grads");
         args.count = n;
         args.step = step;
         if (param_copy) {
-          args.copy_dtype = array_dtype(*param_copy, "param_copy");
+          args.copy_dtype = array_dtype(*param_copy, "adam_step: param_copy");
           if (args.copy_dtype == DType::F32 || param_copy->size() != n)
             throw strata::Error(strata::Errc::invalid_argument,
                                 "adam_step: param_copy must be bfloat16 or float16, one per param");
@@ -575,4 +574,76 @@ NB_MODULE(_core, m) {
       },
       "params"_a, "grads"_a, "exp_avg"_a, "exp_avg_sq"_a, "step"_a, "lr"_a, "beta1"_a, "beta2"_a,
       "eps"_a, "weight_decay"_a, "adamw"_a, "param_copy"_a.none());
+
+  nb::module_ quant = m.def_submodule(
+      "quant", "Group-wise int8/int4 quantization of strata::quant (Note [Compressed copies]).");
+  quant.def(
+      "layout",
+      [](std::vector<std::int64_t> shape, const std::string& bits, std::uint32_t group) {
+        const auto l = strata::quant::layout({strata::quant::parse_bits(bits, "bits"), group},
+                                             std::span<const std::int64_t>(shape));
+        nb::dict d;
+        d["rows"] = l.rows;
+        d["cols"] = l.cols;
+        d["groups_per_row"] = l.groups_per_row;
+        d["row_code_bytes"] = l.row_code_bytes;
+        d["row_stride"] = l.row_stride;
+        d["bytes"] = l.bytes;
+        return d;
+      },
+      "shape"_a, "bits"_a, "group"_a);
+  quant.def(
+      "quantize",
+      [](AnyArray src, AnyArray out, const std::string& bits, std::uint32_t group,
+         const std::string& name) {
+        const strata::quant::Scheme scheme{strata::quant::parse_bits(bits, "bits"), group};
+        std::vector<std::int64_t> shape(src.ndim());
+        for (std::size_t i = 0; i < src.ndim(); ++i)
+          shape[i] = src.shape(i);
+        const auto l = strata::quant::layout(scheme, std::span<const std::int64_t>(shape));
+        const DType dtype = array_dtype(src, ("quantize: tensor '" + name + "'").c_str());
+        if (array_bytes(out) != l.bytes)
+          throw strata::Error(strata::Errc::invalid_argument,
+                              strata::detail::concat("quantize: out has ", array_bytes(out),
+                                                     " bytes, the compressed copy ", l.bytes));
+        nb::gil_scoped_release unlocked;
+        strata::quant::quantize(scheme, l, dtype, src.data(), out.data(), name);
+      },
+      "src"_a, "out"_a, "bits"_a, "group"_a, "name"_a);
+  quant.def(
+      "dequantize",
+      [](AnyArray packed, std::vector<std::int64_t> shape, const std::string& bits,
+         std::uint32_t group, AnyArray out, const std::string& isa) {
+        const strata::quant::Scheme scheme{strata::quant::parse_bits(bits, "bits"), group};
+        const auto l = strata::quant::layout(scheme, std::span<const std::int64_t>(shape));
+        const DType dtype = array_dtype(out, "dequantize: out");
+        if (array_bytes(packed) != l.bytes || out.size() != l.rows * l.cols)
+          throw strata::Error(
+              strata::Errc::invalid_argument,
+              strata::detail::concat("dequantize: ", array_bytes(packed), " bytes into ",
+                                     out.size(), " elements; the shape needs ", l.bytes,
+                                     " bytes and ", l.rows * l.cols, " elements"));
+        strata::quant::Isa v = strata::quant::native_isa();
+        if (isa == "avx512f")
+          v = strata::quant::Isa::avx512f;
+        else if (isa == "avx2")
+          v = strata::quant::Isa::avx2;
+        else if (isa == "baseline")
+          v = strata::quant::Isa::baseline;
+        else if (isa != "native")
+          throw strata::Error(
+              strata::Errc::invalid_argument,
+              "dequantize: isa \"" + isa + "\" is not one of native, avx512f, avx2, baseline");
+        nb::gil_scoped_release unlocked;
+        strata::quant::dequantize(scheme.bits, l, packed.data(), dtype, out.data(), 0, l.rows, v);
+      },
+      "packed"_a, "shape"_a, "bits"_a, "group"_a, "out"_a, "isa"_a = "native");
+  quant.def("supports", [](const std::string& isa) {
+    for (auto v :
+         {strata::quant::Isa::avx512f, strata::quant::Isa::avx2, strata::quant::Isa::baseline})
+      if (strata::quant::to_string(v) == isa) return strata::quant::supports(v);
+    return false;
+  });
+  quant.def("native_isa",
+            [] { return std::string(strata::quant::to_string(strata::quant::native_isa())); });
 }

@@ -14,7 +14,7 @@ lease holds a tensor's bytes on one tier; it exports them zero-copy through DLPa
 See the README's Python section for the whole API.
 """
 
-from . import optim, safetensors
+from . import optim, quant, safetensors
 from ._core import Access, Tier
 from ._errors import (
     CorruptDataError,
@@ -44,6 +44,7 @@ __all__ = [
     "Tier",
     "UnsupportedError",
     "optim",
+    "quant",
     "safetensors",
 ]
 __version__ = "0.1.0"

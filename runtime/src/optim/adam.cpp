@@ -40,69 +40,6 @@
 namespace strata::optim {
 
 namespace {
-// Branch-free and inline, so the kernel's loop vectorises through it (bf16_to_float, its
-// inverse, is inline in the header).
-inline std::uint16_t narrow_bf16(float f) {
-  const std::uint32_t bits = std::bit_cast<std::uint32_t>(f);
-  const std::uint32_t rounded = bits + 0x7FFFu + ((bits >> 16) & 1u);
-  const bool nan = (bits & 0x7FFFFFFFu) > 0x7F800000u;
-  return static_cast<std::uint16_t>(nan ? (bits >> 16) | 0x40u : rounded >> 16);  // quiet NaN
-}
-}  // namespace
-
-std::uint16_t float_to_bf16(float f) noexcept {
-  return narrow_bf16(f);
-}
-
-float f16_to_float(std::uint16_t h) noexcept {
-  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
-  std::uint32_t exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu, bits;
-  if (exp == 0) {
-    if (mant == 0) {
-      bits = sign;
-    } else {  // subnormal: normalise
-      exp = 127 - 15 + 1;
-      while ((mant & 0x400u) == 0) {
-        mant <<= 1;
-        --exp;
-      }
-      bits = sign | (exp << 23) | ((mant & 0x3FFu) << 13);
-    }
-  } else if (exp == 0x1F) {  // inf, or NaN made quiet (as vcvtph2ps does)
-    bits = sign | 0x7F800000u | (mant != 0 ? 0x400000u : 0u) | (mant << 13);
-  } else {
-    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-std::uint16_t float_to_f16(float f) noexcept {
-  std::uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  const std::uint16_t sign = static_cast<std::uint16_t>((bits >> 16) & 0x8000u);
-  const std::uint32_t abs = bits & 0x7FFFFFFFu;
-  if (abs >= 0x7F800000u)  // inf, or NaN made quiet keeping the payload's top (as vcvtps2ph)
-    return static_cast<std::uint16_t>(sign | 0x7C00u |
-                                      (abs > 0x7F800000u ? 0x200u | ((abs >> 13) & 0x3FFu) : 0u));
-  if (abs >= 0x477FF000u) return static_cast<std::uint16_t>(sign | 0x7C00u);  // overflow: inf
-  if (abs < 0x38800000u) {  // subnormal or zero in f16
-    if (abs < 0x33000000u) return sign;
-    const std::uint32_t exp = abs >> 23, mant = (abs & 0x7FFFFFu) | 0x800000u;
-    const std::uint32_t shift = 126 - exp;  // 14 + (113 - exp) ... to a 10-bit mantissa
-    const std::uint32_t half = 1u << (shift - 1);
-    std::uint32_t m = mant >> shift;
-    const std::uint32_t rest = mant & ((1u << shift) - 1);
-    if (rest > half || (rest == half && (m & 1u))) ++m;
-    return static_cast<std::uint16_t>(sign | m);
-  }
-  std::uint32_t v = abs - 0x38000000u;  // rebias exponent 127 -> 15
-  v += 0xFFFu + ((v >> 13) & 1u);       // round to nearest even
-  return static_cast<std::uint16_t>(sign | (v >> 13));
-}
-
-namespace {
 
 struct Scalars {
   float beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, decay_factor, step_size,
@@ -164,7 +101,7 @@ using Kernel = void (*)(const Scalars& s, float* __restrict p, float* __restrict
   const auto* gf = static_cast<const float*>(grads);
   const auto* gh = static_cast<const std::uint16_t*>(grads);
   auto none = [](std::size_t, float) {};
-  auto bf16 = [copy](std::size_t i, float x) { copy[i] = narrow_bf16(x); };
+  auto bf16 = [copy](std::size_t i, float x) { copy[i] = float_to_bf16(x); };
   auto f16 = [copy](std::size_t i, float x) { copy[i] = float_to_f16(x); };
   auto g32 = [gf](std::size_t i) { return gf[i]; };
   auto gb = [gh](std::size_t i) { return bf16_to_float(gh[i]); };
@@ -350,7 +287,7 @@ void widen(const std::uint16_t* src, int kind, bool f16c, float* dst, std::size_
 void narrow(const float* src, int kind, bool f16c, std::uint16_t* dst, std::size_t n) {
   if (kind == 1) {
     for (std::size_t i = 0; i < n; ++i)
-      dst[i] = narrow_bf16(src[i]);
+      dst[i] = float_to_bf16(src[i]);
   } else if (f16c) {
     f32_to_f16_block(src, dst, n);
   } else {
@@ -397,8 +334,7 @@ void adam_step(const AdamConfig& config, const Adam16Args& a, AdamVariant varian
             widen(static_cast<const std::uint16_t*>(a.exp_avg) + b, sk, f16c, m, n);
             widen(static_cast<const std::uint16_t*>(a.exp_avg_sq) + b, sk, f16c, v, n);
           }
-          const void* grads =
-              static_cast<const std::byte*>(a.grads) + b * grad_bytes(a.grad_dtype);
+          const void* grads = static_cast<const std::byte*>(a.grads) + b * grad_bytes(a.grad_dtype);
           if (f16_blocks)
             f16_chunk(kernel, s, p, pm, pv, grads, gk, params, pk, n);
           else

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <string_view>
 
+#include "strata/base/half.h"
 #include "strata/runtime/tensor.h"
 
 namespace strata::optim {
@@ -93,13 +94,10 @@ std::string_view isa_name(AdamIsa isa) noexcept;
 /// isa_name(adam_native_variant().isa).
 std::string_view adam_isa() noexcept;
 
-/// Conversions used for gradients and param copies (round to nearest even).
-/// Inline: it is a shift, and loops that call it vectorise.
-inline float bf16_to_float(std::uint16_t v) noexcept {
-  return std::bit_cast<float>(static_cast<std::uint32_t>(v) << 16);
-}
-std::uint16_t float_to_bf16(float f) noexcept;
-float f16_to_float(std::uint16_t v) noexcept;
-std::uint16_t float_to_f16(float f) noexcept;
+/// The half-precision conversions (strata/base/half.h), by their old names here too.
+using strata::bf16_to_float;
+using strata::f16_to_float;
+using strata::float_to_bf16;
+using strata::float_to_f16;
 
 }  // namespace strata::optim

@@ -1,0 +1,344 @@
+// Group-wise int8/int4 quantization (Note [Compressed copies] in strata/quant/group_quant.h):
+// the layout, the quantizer (scalar, in double, run once) and the dequantizer, one loop
+// compiled for AVX-512F, AVX2 and the x86-64 baseline as the CPU Adam is (Note [Adam kernel
+// dispatch]); this file is compiled with -ffp-contract=off so every variant rounds alike.
+#include "strata/quant/group_quant.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "strata/base/error.h"
+#include "strata/base/half.h"
+
+namespace strata::quant {
+
+std::string_view to_string(Bits bits) noexcept {
+  return bits == Bits::Int4 ? "int4" : "int8";
+}
+
+Bits parse_bits(std::string_view text, std::string_view key) {
+  if (text == "int8") return Bits::Int8;
+  if (text == "int4") return Bits::Int4;
+  STRATA_FAIL(Errc::invalid_argument, key, ": \"", text, "\" is not a compression (int8 or int4)");
+}
+
+bool compressible(DType dtype) noexcept {
+  return dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::F16;
+}
+
+Layout layout(const Scheme& scheme, std::uint64_t rows, std::uint64_t cols) {
+  STRATA_EXPECTS(scheme.group >= 1, "compression group size must be at least 1");
+  STRATA_EXPECTS(scheme.bits != Bits::Int4 || scheme.group % 2 == 0,
+                 "int4 compression needs an even group size (two codes a byte), got ",
+                 scheme.group);
+  STRATA_EXPECTS(cols >= 1 || rows == 0, "a compressed tensor's rows need at least one element");
+  Layout l;
+  l.group = scheme.group;
+  l.rows = rows;
+  l.cols = cols;
+  l.groups_per_row = (cols + scheme.group - 1) / scheme.group;
+  l.row_code_bytes = scheme.bits == Bits::Int8 ? cols : (cols + 1) / 2;
+  l.row_stride = (4 * l.groups_per_row + l.row_code_bytes + 3) / 4 * 4;
+  STRATA_EXPECTS(rows == 0 || l.row_stride <= std::numeric_limits<std::uint64_t>::max() / rows,
+                 "a compressed tensor of ", rows, " rows of ", cols, " elements is too large");
+  l.bytes = rows * l.row_stride;
+  return l;
+}
+
+Layout layout(const Scheme& scheme, std::span<const std::int64_t> shape) {
+  std::uint64_t rows = 1, cols = 1;
+  for (std::size_t i = 0; i < shape.size(); ++i) {
+    STRATA_EXPECTS(shape[i] >= 0, "a negative dimension (", shape[i], ")");
+    if (i + 1 == shape.size())
+      cols = static_cast<std::uint64_t>(shape[i]);
+    else
+      rows *= static_cast<std::uint64_t>(shape[i]);
+  }
+  if (cols == 0) rows = 0;
+  return layout(scheme, rows, cols);
+}
+
+// ---- quantize ---------------------------------------------------------------------------------
+
+namespace {
+
+constexpr std::uint16_t kF16Inf = 0x7C00;
+
+// The next f16 toward +inf / -inf of a finite one (bit patterns: sign-magnitude).
+std::uint16_t f16_up(std::uint16_t h) {
+  if (h == 0x8000) return 0x0001;  // -0 -> smallest positive
+  return (h & 0x8000) ? static_cast<std::uint16_t>(h - 1) : static_cast<std::uint16_t>(h + 1);
+}
+std::uint16_t f16_down(std::uint16_t h) {
+  if (h == 0x0000) return 0x8001;  // +0 -> smallest negative
+  return (h & 0x8000) ? static_cast<std::uint16_t>(h + 1) : static_cast<std::uint16_t>(h - 1);
+}
+bool f16_finite(std::uint16_t h) {
+  return (h & 0x7C00) != kF16Inf;
+}
+
+// The largest f16 <= x (x finite; may come out -inf).
+std::uint16_t f16_floor(double x) {
+  std::uint16_t h = float_to_f16(static_cast<float>(x));
+  while (f16_finite(h) && f16_to_float(h) > x)
+    h = f16_down(h);
+  while (f16_finite(h) && f16_finite(f16_up(h)) && f16_to_float(f16_up(h)) <= x)
+    h = f16_up(h);
+  return h;
+}
+// The smallest f16 >= x (x finite, >= 0; may come out +inf).
+std::uint16_t f16_ceil(double x) {
+  std::uint16_t h = float_to_f16(static_cast<float>(x));
+  while (f16_finite(h) && f16_to_float(h) < x)
+    h = f16_up(h);
+  while (f16_finite(h) && f16_finite(f16_down(h)) && f16_to_float(f16_down(h)) >= x && h != 0x0000)
+    h = f16_down(h);
+  return h == 0x8000 ? 0x0000 : h;
+}
+
+float load(DType dtype, const void* src, std::uint64_t i) {
+  switch (dtype) {
+    case DType::F32:
+      return static_cast<const float*>(src)[i];
+    case DType::BF16:
+      return bf16_to_float(static_cast<const std::uint16_t*>(src)[i]);
+    default:
+      return f16_to_float(static_cast<const std::uint16_t*>(src)[i]);
+  }
+}
+
+}  // namespace
+
+void quantize(const Scheme& scheme, const Layout& l, DType dtype, const void* src, void* dst,
+              std::string_view tensor, std::uint64_t row_begin, std::uint64_t row_end) {
+  STRATA_EXPECTS(compressible(dtype), "tensor '", tensor, "': ", to_string(dtype),
+                 " cannot be compressed (only f32, bf16 and f16 can)");
+  STRATA_EXPECTS(row_begin <= row_end && row_end <= l.rows, "tensor '", tensor, "': rows [",
+                 row_begin, ", ", row_end, ") outside its ", l.rows);
+  const double levels = scheme.bits == Bits::Int8 ? 255.0 : 15.0;
+  const bool int4 = scheme.bits == Bits::Int4;
+  auto* out = static_cast<std::uint8_t*>(dst);
+  for (std::uint64_t r = row_begin; r < row_end; ++r) {
+    std::uint8_t* row = out + r * l.row_stride;
+    std::uint8_t* codes = row + 4 * l.groups_per_row;
+    std::memset(row, 0, l.row_stride);
+    for (std::uint64_t g = 0; g < l.groups_per_row; ++g) {
+      const std::uint64_t lo_col = g * scheme.group;
+      const std::uint64_t n = std::min<std::uint64_t>(scheme.group, l.cols - lo_col);
+      const std::uint64_t base = r * l.cols + lo_col;
+      double lo = std::numeric_limits<double>::infinity(), hi = -lo;
+      for (std::uint64_t i = 0; i < n; ++i) {
+        const double x = load(dtype, src, base + i);
+        if (!std::isfinite(x))
+          STRATA_FAIL(Errc::invalid_argument, "tensor '", tensor, "': element ", lo_col + i,
+                      " of row ", r, " is ", x, "; only finite values can be compressed");
+        lo = std::min(lo, x);
+        hi = std::max(hi, x);
+      }
+      const std::uint16_t m16 = f16_floor(lo);
+      const double m = f16_to_float(m16);
+      const std::uint16_t s16 = f16_finite(m16) ? f16_ceil((hi - m) / levels) : kF16Inf;
+      if (!f16_finite(m16) || !f16_finite(s16))
+        STRATA_FAIL(Errc::invalid_argument, "tensor '", tensor, "': row ", r, " group ", g,
+                    " spans [", lo, ", ", hi, "], beyond what an fp16 min and scale hold (",
+                    to_string(scheme.bits),
+                    "); keep this tensor full width (leave it out of the compress rule)");
+      const double s = f16_to_float(s16);
+      std::memcpy(row + 4 * g, &m16, 2);
+      std::memcpy(row + 4 * g + 2, &s16, 2);
+      for (std::uint64_t i = 0; i < n; ++i) {
+        double q = 0.0;
+        if (s > 0.0)
+          q = std::clamp(std::nearbyint((static_cast<double>(load(dtype, src, base + i)) - m) / s),
+                         0.0, levels);
+        const auto code = static_cast<std::uint8_t>(q);
+        const std::uint64_t c = lo_col + i;
+        if (int4)
+          codes[c / 2] |= static_cast<std::uint8_t>(code << (4 * (c & 1)));
+        else
+          codes[c] = code;
+      }
+    }
+  }
+}
+
+void quantize(const Scheme& scheme, const Layout& l, DType dtype, const void* src, void* dst,
+              std::string_view tensor) {
+  quantize(scheme, l, dtype, src, dst, tensor, 0, l.rows);
+}
+
+// ---- dequantize -------------------------------------------------------------------------------
+
+namespace {
+
+constexpr std::uint64_t kBlock = 256;  // elements widened at a time (a group may be longer)
+
+// Codes of `n` (even, or the row's end) int4 elements from `packed` into one byte each.
+// SSE2 (the x86-64 baseline): 16 bytes -> 32 codes in order (low nibble first).
+inline void unpack_int4(const std::uint8_t* packed, std::uint8_t* codes, std::uint64_t n) {
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  std::uint64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + i / 2));
+    const __m128i lo = _mm_and_si128(b, mask);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm_unpacklo_epi8(lo, hi));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i + 16), _mm_unpackhi_epi8(lo, hi));
+  }
+  for (; i < n; ++i)
+    codes[i] = (packed[i / 2] >> (4 * (i & 1))) & 0x0F;
+}
+
+// The loop each variant compiles: one block of codes with one group's s and m.
+inline void block_f32(const std::uint8_t* __restrict c, float s, float m, float* __restrict out,
+                      std::uint64_t n) {
+  for (std::uint64_t i = 0; i < n; ++i)
+    out[i] = static_cast<float>(c[i]) * s + m;
+}
+// float_to_bf16 without its NaN case: q s + m is finite (m and s are finite fp16, q <= 255),
+// and the loop vectorises as integer adds and shifts.
+inline void block_bf16(const std::uint8_t* __restrict c, float s, float m,
+                       std::uint16_t* __restrict out, std::uint64_t n) {
+  for (std::uint64_t i = 0; i < n; ++i) {
+    const std::uint32_t bits = std::bit_cast<std::uint32_t>(static_cast<float>(c[i]) * s + m);
+    out[i] = static_cast<std::uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+  }
+}
+
+__attribute__((target("avx,f16c"))) void f32_to_f16_f16c(const float* src, std::uint16_t* dst,
+                                                         std::uint64_t n) {
+  std::uint64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(
+        reinterpret_cast<__m128i*>(dst + i),
+        _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  for (; i < n; ++i)
+    dst[i] = float_to_f16(src[i]);
+}
+
+bool has_f16c() {
+  static const bool yes = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+  return yes;
+}
+
+struct Job {
+  bool int4;
+  std::uint64_t group;
+  const Layout* l;
+  const std::uint8_t* src;
+  DType dtype;
+  void* out;
+  std::uint64_t rows;
+};
+
+inline void dequantize_body(const Job& j) {
+  alignas(64) std::uint8_t codes[kBlock];
+  alignas(64) float wide[kBlock];
+  const Layout& l = *j.l;
+  const bool f16c = j.dtype == DType::F16 && has_f16c();
+  for (std::uint64_t r = 0; r < j.rows; ++r) {
+    const std::uint8_t* row = j.src + r * l.row_stride;
+    const std::uint8_t* packed = row + 4 * l.groups_per_row;
+    const std::uint64_t out_row = r * l.cols;
+    for (std::uint64_t g = 0; g < l.groups_per_row; ++g) {
+      std::uint16_t m16, s16;
+      std::memcpy(&m16, row + 4 * g, 2);
+      std::memcpy(&s16, row + 4 * g + 2, 2);
+      const float m = f16_to_float(m16), s = f16_to_float(s16);
+      const std::uint64_t g_lo = g * j.group;
+      const std::uint64_t g_n = std::min(j.group, l.cols - g_lo);
+      for (std::uint64_t b = 0; b < g_n; b += kBlock) {
+        const std::uint64_t n = std::min(kBlock, g_n - b), c0 = g_lo + b;
+        const std::uint8_t* c = packed + c0;
+        if (j.int4) {  // c0 is even: groups and blocks start on a byte
+          unpack_int4(packed + c0 / 2, codes, n);
+          c = codes;
+        }
+        const std::uint64_t at = out_row + c0;
+        if (j.dtype == DType::F32) {
+          block_f32(c, s, m, static_cast<float*>(j.out) + at, n);
+        } else if (j.dtype == DType::BF16) {
+          block_bf16(c, s, m, static_cast<std::uint16_t*>(j.out) + at, n);
+        } else {
+          block_f32(c, s, m, wide, n);
+          auto* o = static_cast<std::uint16_t*>(j.out) + at;
+          if (f16c)
+            f32_to_f16_f16c(wide, o, n);
+          else
+            for (std::uint64_t i = 0; i < n; ++i)
+              o[i] = float_to_f16(wide[i]);
+        }
+      }
+    }
+  }
+}
+
+__attribute__((target("avx512f"), flatten)) void dequantize_avx512f(const Job& j) {
+  dequantize_body(j);
+}
+__attribute__((target("avx2"), flatten)) void dequantize_avx2(const Job& j) {
+  dequantize_body(j);
+}
+__attribute__((flatten)) void dequantize_baseline(const Job& j) {
+  dequantize_body(j);
+}
+
+}  // namespace
+
+Isa native_isa() noexcept {
+  return __builtin_cpu_supports("avx512f") ? Isa::avx512f
+         : __builtin_cpu_supports("avx2")  ? Isa::avx2
+                                           : Isa::baseline;
+}
+
+bool supports(Isa isa) noexcept {
+  return isa == Isa::baseline || (isa == Isa::avx2 && __builtin_cpu_supports("avx2")) ||
+         (isa == Isa::avx512f && __builtin_cpu_supports("avx512f"));
+}
+
+std::string_view to_string(Isa isa) noexcept {
+  switch (isa) {
+    case Isa::avx512f:
+      return "avx512f";
+    case Isa::avx2:
+      return "avx2";
+    case Isa::baseline:
+      break;
+  }
+  return "baseline";
+}
+
+void dequantize(Bits bits, const Layout& l, const void* src, DType dtype, void* out,
+                std::uint64_t row_begin, std::uint64_t row_end) {
+  dequantize(bits, l, src, dtype, out, row_begin, row_end, native_isa());
+}
+
+void dequantize(Bits bits, const Layout& l, const void* src, DType dtype, void* out,
+                std::uint64_t row_begin, std::uint64_t row_end, Isa isa) {
+  STRATA_EXPECTS(compressible(dtype), "dequantize: ", to_string(dtype),
+                 " is not an output dtype (f32, bf16 or f16)");
+  STRATA_EXPECTS(row_begin <= row_end && row_end <= l.rows, "dequantize: rows [", row_begin, ", ",
+                 row_end, ") outside ", l.rows);
+  if (!supports(isa))
+    STRATA_FAIL(Errc::unsupported, "dequantize: this CPU cannot run the ", to_string(isa),
+                " variant");
+  if (row_begin == row_end) return;
+  STRATA_EXPECTS(src && out, "dequantize: a null buffer");
+  const Job job{bits == Bits::Int4, l.group, &l, static_cast<const std::uint8_t*>(src), dtype, out,
+                row_end - row_begin};
+  switch (isa) {
+    case Isa::avx512f:
+      return dequantize_avx512f(job);
+    case Isa::avx2:
+      return dequantize_avx2(job);
+    case Isa::baseline:
+      return dequantize_baseline(job);
+  }
+}
+
+}  // namespace strata::quant
