@@ -18,6 +18,13 @@ rounds, and strata's own passes). A roofline above 1 is a measurement error and 
 
   .venv/bin/python bench/hf-vs-accelerate.py --dir /var/tmp/strata-hf --rounds 3
 
+--compress int8 int4 adds strata runs with compressed offload (load_model(compress=...): the
+linear weights int8 / int4 on the slow tiers, the cache built before the timed passes, its files
+dropped from the page cache with the checkpoint's), reported as strata_int8 and strata_int4. Each
+pass also reports the bytes the operating system read from storage for the process
+(/proc/self/io read_bytes), not only strata's own counters, and the figures compare them with
+full width.
+
 --device cuda (bench/gpu-check.sh) runs the three on the GPU: the reference moved whole to it,
 strata with device="cuda" (half the budget its HBM arena, half pinned host memory), accelerate
 with max_memory={0: half, "cpu": half} and the rest in its offload folder; each pass ends with
@@ -152,6 +159,8 @@ def child(args: argparse.Namespace) -> dict:
             device_budget=half,
             host_budget=args.budget - half,
             dtype=torch.float32,
+            compress=args.compress_one,
+            compress_cache=Path(args.dir) / "compressed",
         )
         rt = model.strata.runtime
     else:
@@ -169,20 +178,34 @@ def child(args: argparse.Namespace) -> dict:
         )
     model.eval()
     drop_targets = files + ([offload] if offload.exists() else [])
+    if args.compress_one:
+        drop_targets.append(Path(args.dir) / "compressed")
 
     def bytes_read() -> int:
         return rt.stats()["io"]["bytes_read"] if rt is not None else 0
 
+    def os_read_bytes() -> int:
+        """What the kernel read from storage for this process (all its threads)."""
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+        return 0
+
     def timed(fn, cold: bool) -> dict:
         how = drop_page_cache(drop_targets) if cold else None
-        before = bytes_read()
+        before, os_before = bytes_read(), os_read_bytes()
         start = time.perf_counter()
         with torch.no_grad():
             fn()
         if args.device == "cuda":
             torch.cuda.synchronize()
         s = time.perf_counter() - start
-        out = {"s": s, "bytes_read": bytes_read() - before}
+        out = {
+            "s": s,
+            "bytes_read": bytes_read() - before,
+            "os_read_bytes": os_read_bytes() - os_before,
+        }
         if how:
             out["dropped_by"] = how
         return out
@@ -234,11 +257,13 @@ def child(args: argparse.Namespace) -> dict:
 
 
 def run_child(kind: str, args: argparse.Namespace, checkpoint: Path) -> dict:
+    compress = kind.removeprefix("strata_") if kind.startswith("strata_") else None
     cmd = [
         sys.executable,
         __file__,
         "--child",
-        kind,
+        "strata" if compress else kind,
+        *(["--compress-one", compress] if compress else []),
         "--checkpoint",
         str(checkpoint),
         "--budget",
@@ -286,6 +311,8 @@ def main() -> None:
     ap.add_argument("--child", choices=["reference", "strata", "accelerate", "checkpoint"])
     ap.add_argument("--checkpoint")
     ap.add_argument("--budget", type=int)
+    ap.add_argument("--compress", nargs="*", default=[], choices=["int8", "int4"])
+    ap.add_argument("--compress-one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child == "checkpoint":
         make_checkpoint(Path(args.checkpoint), args)
@@ -302,10 +329,13 @@ def main() -> None:
     model_bytes = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
     args.budget = int(model_bytes * args.budget_fraction)
     rates = disk_gbps(checkpoint)
-    runs: dict[str, list[dict]] = {"reference": [], "strata": [], "accelerate": []}
+    strata_kinds = ["strata"] + [f"strata_{c}" for c in args.compress]
+    runs: dict[str, list[dict]] = {"reference": [], "accelerate": []}
+    runs.update({k: [] for k in strata_kinds})
     runs["reference"].append(run_child("reference", args, checkpoint))
     for r in range(args.rounds):
-        order = ["strata", "accelerate"] if r % 2 == 0 else ["accelerate", "strata"]
+        order = [*strata_kinds, "accelerate"]
+        order = order if r % 2 == 0 else order[::-1]
         for kind in order:
             runs[kind].append(run_child(kind, args, checkpoint))
             print(f"round {r}: {kind} done", file=sys.stderr)
@@ -343,12 +373,15 @@ def main() -> None:
             "peak_rss_bytes": ref["peak_rss_bytes"],
         },
     }
-    for kind in ("strata", "accelerate"):
+    for kind in (*strata_kinds, "accelerate"):
         rs = runs[kind]
         fig = {}
         for phase in ("prefill", "decode"):
             for temp in ("cold", "warm"):
                 fig[f"{phase}_{temp}_s"] = median(rs, f"{phase}_{temp}", "s")
+                fig[f"{phase}_{temp}_os_read_bytes"] = median(
+                    rs, f"{phase}_{temp}", "os_read_bytes"
+                )
         for temp in ("cold", "warm"):
             fig[f"generate_{temp}_tokens_per_s"] = median(rs, f"generate_{temp}", "tokens_per_s")
         fig["peak_rss_bytes"] = median(rs, "peak_rss_bytes")
@@ -387,6 +420,24 @@ def main() -> None:
             if roof[f"{phase}_{temp}"]["roofline"] > 1.0:
                 roof[f"{phase}_{temp}"]["error"] = "above 1: a measurement error, not a result"
     out["strata_roofline"] = roof
+    # Compressed offload against full width, same budget: the bytes the OS read per pass and
+    # the time per pass (decode: one token, the I/O-bound regime).
+    for c in args.compress:
+        k = f"strata_{c}"
+        cmp = {}
+        for phase in ("prefill", "decode"):
+            for temp in ("cold", "warm"):
+                full_b = s[f"{phase}_{temp}_os_read_bytes"]
+                cmp[f"{phase}_{temp}_os_read_vs_full"] = (
+                    round(out[k][f"{phase}_{temp}_os_read_bytes"] / full_b, 3) if full_b else None
+                )
+                cmp[f"{phase}_{temp}_speedup_vs_full"] = round(
+                    s[f"{phase}_{temp}_s"] / out[k][f"{phase}_{temp}_s"], 3
+                )
+                cmp[f"{phase}_{temp}_speedup_vs_accelerate"] = round(
+                    a[f"{phase}_{temp}_s"] / out[k][f"{phase}_{temp}_s"], 3
+                )
+        out[f"{k}_vs_full"] = cmp
     out["strata_rss_over_budget_bytes"] = s["peak_rss_bytes"] - args.budget
     out["strata_fixed_overhead_bytes"] = s["rss_after_imports_bytes"]
     print(json.dumps(out, indent=1))

@@ -20,6 +20,15 @@ else()
   endif()
   if(CUDAToolkit_FOUND)
     set(STRATA_HAVE_CUDA ON)
+    # The dequantization kernel (runtime/src/backends/cuda_dequant.cu): nvcc from the same
+    # toolkit, with the C++ compiler as its host compiler; SASS for Ampere and Hopper, and PTX
+    # that later GPUs compile at load.
+    set(CMAKE_CUDA_COMPILER ${CUDAToolkit_NVCC_EXECUTABLE})
+    set(CMAKE_CUDA_HOST_COMPILER ${CMAKE_CXX_COMPILER})
+    if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+      set(CMAKE_CUDA_ARCHITECTURES 80-real 90)
+    endif()
+    enable_language(CUDA)
     message(STATUS "strata: CUDA backend enabled (toolkit ${CUDAToolkit_VERSION}, ${CUDAToolkit_BIN_DIR})")
   else()
     message(STATUS "strata: CUDA toolkit not found; building the host backend only")

@@ -24,6 +24,7 @@
 #include "strata/base/error.h"
 #include "strata/base/units.h"
 #include "strata/optim/adam.h"
+#include "strata/io/crc32c.h"
 #include "strata/quant/group_quant.h"
 #include "strata/runtime/runtime.h"
 #include "strata/runtime/safetensors.h"
@@ -232,6 +233,13 @@ strata::PrefetchMode parse_mode(const std::string& mode) {
                       "prefetch: \"" + mode + "\" is not one of auto, none, fixed");
 }
 
+// "none", "int8" or "int4" and a group size: a descriptor's compression (Note [Compressed copies]).
+strata::Compression compression(const std::string& codec, std::uint32_t group) {
+  if (codec == "none") return {strata::Codec::None, group};
+  const auto bits = strata::quant::parse_bits(codec, "compress");
+  return {bits == strata::quant::Bits::Int4 ? strata::Codec::Int4 : strata::Codec::Int8, group};
+}
+
 // Adam's arrays: C-contiguous CPU arrays of any dtype, checked here by name.
 DType array_dtype(const AnyArray& a, const char* what) {
   const nb::dlpack::dtype d = a.dtype();
@@ -324,11 +332,13 @@ NB_MODULE(_core, m) {
       .def(
           "create_tensor",
           [](strata::Runtime& rt, const std::string& name, std::vector<std::int64_t> shape,
-             const std::string& dtype, Tier home, nb::object init) {
+             const std::string& dtype, Tier home, nb::object init, const std::string& compress,
+             std::uint32_t group) {
             strata::TensorDesc d;
             d.name = name;
             d.shape = std::move(shape);
             d.dtype = strata::parse_dtype(dtype);
+            d.compression = compression(compress, group);
             std::uint64_t n = 1;
             for (std::int64_t s : d.shape) {
               if (s < 0)
@@ -351,17 +361,23 @@ NB_MODULE(_core, m) {
             nb::gil_scoped_release unlocked;
             return rt.create_tensor(d, home, src);
           },
-          "name"_a, "shape"_a, "dtype"_a, "home"_a, "init"_a.none())
-      .def("map_tensor",
-           [](strata::Runtime& rt, const std::string& name, std::vector<std::int64_t> shape,
-              const std::string& dtype, const std::string& path, std::uint64_t offset) {
-             strata::TensorDesc d;
-             d.name = name;
-             d.shape = std::move(shape);
-             d.dtype = strata::parse_dtype(dtype);
-             nb::gil_scoped_release unlocked;
-             return rt.map_tensor(d, path, offset);
-           })
+          "name"_a, "shape"_a, "dtype"_a, "home"_a, "init"_a.none(), "compress"_a = "none",
+          "group"_a = 64)
+      .def(
+          "map_tensor",
+          [](strata::Runtime& rt, const std::string& name, std::vector<std::int64_t> shape,
+             const std::string& dtype, const std::string& path, std::uint64_t offset,
+             const std::string& compress, std::uint32_t group) {
+            strata::TensorDesc d;
+            d.name = name;
+            d.shape = std::move(shape);
+            d.dtype = strata::parse_dtype(dtype);
+            d.compression = compression(compress, group);
+            nb::gil_scoped_release unlocked;
+            return rt.map_tensor(d, path, offset);
+          },
+          "name"_a, "shape"_a, "dtype"_a, "path"_a, "offset"_a, "compress"_a = "none",
+          "group"_a = 64)
       .def("describe",
            [](const strata::Runtime& rt, strata::TensorId id) {
              const strata::TensorDesc d = rt.describe(id);
@@ -644,6 +660,15 @@ NB_MODULE(_core, m) {
       if (strata::quant::to_string(v) == isa) return strata::quant::supports(v);
     return false;
   });
+  quant.def(
+      "crc32c",
+      [](AnyArray data, std::uint32_t crc) {
+        const void* p = data.data();
+        const std::size_t n = array_bytes(data);
+        nb::gil_scoped_release unlocked;
+        return strata::crc32c(p, n, crc);
+      },
+      "data"_a, "crc"_a = 0, "CRC32C of an array's bytes (continuing from `crc`).");
   quant.def("native_isa",
             [] { return std::string(strata::quant::to_string(strata::quant::native_isa())); });
 }

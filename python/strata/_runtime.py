@@ -255,12 +255,17 @@ class Runtime:
         dtype: Any = "float32",
         home: Tier = Tier.HOST,
         init: Any = None,
+        compress: str | None = None,
+        group: int = 64,
     ) -> Tensor:
         """A new tensor on its home tier, zeroed or filled from `init` (any DLPack or buffer
-        array of the same number of bytes)."""
+        array of the same number of bytes). `compress` ("int8" or "int4") stores its host and
+        NVMe copies quantized in groups of `group` along the last dimension (strata.quant),
+        quantized once here; its device copy is dequantized on arrival, and it is read-only and
+        leased on the device only (Note [Compressed copies])."""
         src = None if init is None else _contiguous(init)
         tensor_id = self._core.create_tensor(
-            name, [int(s) for s in shape], _dtype_name(dtype), home, src
+            name, [int(s) for s in shape], _dtype_name(dtype), home, src, compress or "none", group
         )
         return self._describe(tensor_id)
 
@@ -271,10 +276,20 @@ class Runtime:
         dtype: Any,
         path: os.PathLike[str] | str,
         offset: int = 0,
+        compress: str | None = None,
+        group: int = 64,
     ) -> Tensor:
-        """A read-only tensor whose bytes stay in the file at `offset` (read in place)."""
+        """A read-only tensor whose bytes stay in the file at `offset` (read in place). With
+        `compress`, the file holds its compressed copy (strata.quant.quantize's bytes) and the
+        tensor is `shape` of `dtype` on the device."""
         tensor_id = self._core.map_tensor(
-            name, [int(s) for s in shape], _dtype_name(dtype), os.fspath(path), int(offset)
+            name,
+            [int(s) for s in shape],
+            _dtype_name(dtype),
+            os.fspath(path),
+            int(offset),
+            compress or "none",
+            group,
         )
         return self._describe(tensor_id)
 

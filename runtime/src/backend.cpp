@@ -10,6 +10,13 @@
 
 namespace strata {
 
+void Stream::dequantize_async(void* dst, const void* src, std::size_t src_bytes,
+                              const DequantJob& job) {
+  (void)dst, (void)src, (void)src_bytes, (void)job;
+  STRATA_FAIL(Errc::unsupported, "stream ", name(),
+              ": this backend cannot dequantize a compressed tensor's device copy");
+}
+
 std::string_view to_string(BackendKind kind) noexcept {
   switch (kind) {
     case BackendKind::Auto:

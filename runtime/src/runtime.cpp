@@ -83,6 +83,35 @@ TensorDesc checked(const TensorDesc& desc) {
                  " bytes do not match its shape and dtype (", from_shape, " bytes)");
   return d;
 }
+
+// Note [Compressed copies]: where a compressed tensor's Host and Nvme bytes are, checked once.
+void set_storage(TensorState& t) {
+  const TensorDesc& d = t.desc;
+  t.stored = d.bytes;
+  if (d.compression.codec == Codec::None) return;
+  STRATA_EXPECTS(quant::compressible(d.dtype), "tensor \"", d.name, "\": ", to_string(d.dtype),
+                 " cannot be compressed (", to_string(d.compression.codec),
+                 "); only f32, bf16 and f16 can");
+  STRATA_EXPECTS(!d.shape.empty(), "tensor \"", d.name,
+                 "\": a compressed tensor needs its shape (groups run along the last dimension)");
+  const quant::Scheme scheme{
+      d.compression.codec == Codec::Int4 ? quant::Bits::Int4 : quant::Bits::Int8,
+      d.compression.group};
+  t.layout = quant::layout(scheme, std::span<const std::int64_t>(d.shape));
+  t.stored = t.layout.bytes;
+}
+
+quant::Scheme scheme_of(const TensorState& t) {
+  return {t.desc.compression.codec == Codec::Int4 ? quant::Bits::Int4 : quant::Bits::Int8,
+          t.desc.compression.group};
+}
+
+[[noreturn]] void refuse_compressed(const TensorState& t, std::string_view what) {
+  STRATA_FAIL(
+      Errc::invalid_argument, what, " \"", t.desc.name, "\": it is stored compressed (",
+      to_string(t.desc.compression.codec), ", groups of ", t.desc.compression.group,
+      ") and read-only; lease it on the Device tier, where it is dequantized, or read() it");
+}
 }  // namespace
 
 TensorId Runtime::create_tensor(const TensorDesc& desc, Tier home, const void* init) {
@@ -90,6 +119,10 @@ TensorId Runtime::create_tensor(const TensorDesc& desc, Tier home, const void* i
   auto state = std::make_unique<TensorState>();
   state->desc = checked(desc);
   state->home = home;
+  set_storage(*state);
+  STRATA_EXPECTS(!state->compressed() || home != Tier::Device, "create_tensor \"", desc.name,
+                 "\": a compressed tensor is homed on Host or Nvme (its Device copy is made from "
+                 "those)");
   std::unique_lock lock(rt.mutex);
   rt.require_tier(home, "create_tensor");
   state->id = rt.next_id++;
@@ -100,7 +133,13 @@ TensorId Runtime::create_tensor(const TensorDesc& desc, Tier home, const void* i
     rt.make_room(lock, t, home);
     ++c.pins;  // nobody evicts it while it is being filled
     lock.unlock();
-    const std::uint64_t bytes = t.desc.bytes;
+    const std::uint64_t bytes = t.stored;
+    PageBuffer packed;
+    if (t.compressed() && init != nullptr) {  // quantized once, here
+      packed = PageBuffer(bytes);
+      quant::quantize(scheme_of(t), t.layout, t.desc.dtype, init, packed.data(), t.desc.name);
+      init = packed.data();
+    }  // zeros quantize to zeros: min 0, step 0, codes 0
     if (home == Tier::Nvme) {
       if (init != nullptr) {
         rt.swap->write(c.extent, 0, init, bytes).get();
@@ -147,10 +186,11 @@ TensorId Runtime::map_tensor(const TensorDesc& desc, const std::string& path,
   auto state = std::make_unique<TensorState>();
   state->desc = checked(desc);
   state->home = Tier::Nvme;
+  set_storage(*state);  // a compressed tensor's file holds its stored bytes
   std::lock_guard lock(rt.mutex);
   rt.require_tier(Tier::Nvme, "map_tensor");
   Copy& c = state->copies[idx(Tier::Nvme)];
-  c.extent = rt.swap->map_file(path, offset, state->desc.bytes);
+  c.extent = rt.swap->map_file(path, offset, state->stored);
   c.mapped = true;
   c.state = CopyState::Valid;
   c.version = state->version;
@@ -187,6 +227,8 @@ LeaseFuture Runtime::acquire(TensorId id, Tier tier, Access access) {
                  "Device or Host (prefetch and evict reach Nvme)");
   std::unique_lock lock(rt.mutex);
   TensorState& t = rt.get(id);
+  if (t.compressed() && (writes(access) || tier != Tier::Device))
+    refuse_compressed(t, writes(access) ? "acquire for write of" : "acquire on Host of");
   if (writes(access)) {
     for (Tier other : {Tier::Device, Tier::Host})
       STRATA_EXPECTS(other == tier || t.copies[idx(other)].leases == 0, "acquire for write of \"",
@@ -274,12 +316,23 @@ void Runtime::read(TensorId id, void* dst, std::size_t bytes) {
   lock.unlock();
   std::exception_ptr error;
   try {
-    if (src == Tier::Device)
+    if (src == Tier::Device) {
       rt.backend->copy(dst, c.ptr, bytes, CopyKind::DeviceToHost);
-    else if (src == Tier::Host)
+    } else if (t.compressed()) {  // the stored bytes, dequantized here, then the bytes asked
+      PageBuffer packed(t.stored);
+      if (src == Tier::Host)
+        std::memcpy(packed.data(), c.ptr, t.stored);
+      else
+        rt.swap->read(c.extent, 0, packed.data(), t.stored).get();
+      std::vector<std::byte> full(t.desc.bytes);
+      quant::dequantize(scheme_of(t).bits, t.layout, packed.data(), t.desc.dtype, full.data(), 0,
+                        t.layout.rows);
+      std::memcpy(dst, full.data(), bytes);
+    } else if (src == Tier::Host) {
       std::memcpy(dst, c.ptr, bytes);
-    else
+    } else {
       rt.swap->read(c.extent, 0, dst, bytes).get();
+    }
   } catch (...) {
     error = std::current_exception();
   }
@@ -292,6 +345,7 @@ void Runtime::write(TensorId id, const void* src, std::size_t bytes) {
   Impl& rt = *impl_;
   std::unique_lock lock(rt.mutex);
   TensorState& t = rt.get(id);
+  if (t.compressed()) refuse_compressed(t, "write into");
   STRATA_EXPECTS(bytes == t.desc.bytes, "write of ", bytes, " bytes into \"", t.desc.name, "\" of ",
                  t.desc.bytes, " bytes: write the whole tensor");
   for (const Copy& c : t.copies)
@@ -360,7 +414,7 @@ bool Lease::discard() {
     std::unique_lock lock(rt.mutex);
     const auto it = rt.tensors.find(tensor_);
     if (it != rt.tensors.end() && !rt.leased_elsewhere(*it->second, tier_) &&
-        !it->second->copies[idx(Tier::Nvme)].mapped)
+        !it->second->copies[idx(Tier::Nvme)].mapped && !it->second->compressed())
       done = rt.discard(lock, *it->second, this);
     rt.run_after_unlock(lock);  // a claimant granted the room of this copy (Arrival in pieces)
   }
@@ -419,7 +473,7 @@ TierStats Runtime::tier_stats(Tier tier) const {
   if (tier == Tier::Nvme) s.capacity_bytes = rt.swap ? rt.swap->stats().capacity_bytes : 0;
   for (const auto& [id, t] : rt.tensors) {
     const Copy& c = t->copies[idx(tier)];
-    if (c.leases > 0 && c.has_space()) s.leased_bytes += t->desc.bytes;
+    if (c.leases > 0 && c.has_space()) s.leased_bytes += t->bytes_on(tier);
   }
   return s;
 }
@@ -439,16 +493,15 @@ std::string Runtime::residency_json() const {
     for (Tier tier : {Tier::Device, Tier::Host, Tier::Nvme}) {
       const residency::Copy& c = t->copies[residency::idx(tier)];
       if (c.state == residency::CopyState::Absent && !c.has_space() && c.leases == 0) continue;
-      copies[std::string(to_string(tier))] = {
-          {"state", kStates[static_cast<int>(c.state)]},
-          {"version", c.version},
-          {"ready", c.ready},
-          {"leases", c.leases},
-          {"write_leases", c.write_leases},
-          {"pins", c.pins},
-          {"claimed_by", c.claimed_by},
-          {"error", c.error != nullptr},
-          {"event_ready", c.event ? c.event->ready() : true}};
+      copies[std::string(to_string(tier))] = {{"state", kStates[static_cast<int>(c.state)]},
+                                              {"version", c.version},
+                                              {"ready", c.ready},
+                                              {"leases", c.leases},
+                                              {"write_leases", c.write_leases},
+                                              {"pins", c.pins},
+                                              {"claimed_by", c.claimed_by},
+                                              {"error", c.error != nullptr},
+                                              {"event_ready", c.event ? c.event->ready() : true}};
     }
     tensors.push_back({{"id", id},
                        {"name", t->desc.name},
@@ -477,7 +530,11 @@ std::string Runtime::stats_json() const {
                                            {"write_backs", s.write_backs},
                                            {"hits", s.hits},
                                            {"misses", s.misses},
-                                           {"compactions", s.compactions}};
+                                           {"compactions", s.compactions},
+                                           {"bytes_in_compressed", s.bytes_in_compressed},
+                                           {"dequantizations", s.dequantizations},
+                                           {"bytes_dequantized", s.bytes_dequantized},
+                                           {"dequant_ns", s.dequant_ns}};
   }
   json out{{"backend", std::string(to_string(impl_->backend->kind()))},
            {"device", impl_->backend->info().name},

@@ -23,6 +23,15 @@ class Statistics final : public Observer {
     add(c.bytes_in, bytes);
     add(paths_[at(from)][at(to)], bytes);
   }
+  void landed_compressed(TensorId, std::uint64_t stored_bytes, std::uint64_t bytes, Tier to,
+                         std::uint64_t start_ns, std::uint64_t end_ns) noexcept override {
+    Counters& c = tiers_[at(to)];
+    add(c.bytes_in_compressed, stored_bytes);
+    if (end_ns == 0) return;
+    add(c.dequantizations, 1);
+    add(c.bytes_dequantized, bytes);
+    add(c.dequant_ns, end_ns - start_ns);
+  }
   void evicted(TensorId, std::uint64_t, Tier tier) noexcept override {
     add(tiers_[at(tier)].evictions, 1);
   }
@@ -57,6 +66,10 @@ class Statistics final : public Observer {
     s.hits = get(c.hits);
     s.misses = get(c.misses);
     s.compactions = get(c.compactions);
+    s.bytes_in_compressed = get(c.bytes_in_compressed);
+    s.dequantizations = get(c.dequantizations);
+    s.bytes_dequantized = get(c.bytes_dequantized);
+    s.dequant_ns = get(c.dequant_ns);
     return s;
   }
   [[nodiscard]] TransferStats transfers() const noexcept {
@@ -75,7 +88,8 @@ class Statistics final : public Observer {
   static constexpr std::size_t kTiers = 3;
   struct Counters {
     std::atomic<std::uint64_t> peak{0}, bytes_in{0}, bytes_out{0}, moves{0}, evictions{0},
-        write_backs{0}, hits{0}, misses{0}, compactions{0};
+        write_backs{0}, hits{0}, misses{0}, compactions{0}, bytes_in_compressed{0},
+        dequantizations{0}, bytes_dequantized{0}, dequant_ns{0};
   };
   static constexpr std::size_t at(Tier t) noexcept { return static_cast<std::size_t>(t); }
   static void add(std::atomic<std::uint64_t>& c, std::uint64_t n) noexcept {

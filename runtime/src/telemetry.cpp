@@ -27,6 +27,8 @@ std::string_view to_string(Track track) noexcept {
       return "nvme write";
     case Track::Eviction:
       return "eviction";
+    case Track::Dequant:
+      return "dequantize";
     case Track::Count:
       break;
   }

@@ -69,6 +69,18 @@ DType parse_dtype(std::string_view text, std::string_view key) {
   STRATA_FAIL(Errc::invalid_argument, key, ": unknown dtype \"", text, "\"");
 }
 
+std::string_view to_string(Codec codec) noexcept {
+  switch (codec) {
+    case Codec::Int8:
+      return "int8";
+    case Codec::Int4:
+      return "int4";
+    case Codec::None:
+      break;
+  }
+  return "none";
+}
+
 std::string_view to_string(TensorKind k) noexcept {
   switch (k) {
     case TensorKind::Param:

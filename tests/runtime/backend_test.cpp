@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <future>
 #include <numeric>
@@ -11,6 +12,7 @@
 #include "runtime/backend_fixture.h"
 #include "strata/base/error.h"
 #include "strata/base/units.h"
+#include "strata/quant/group_quant.h"
 
 namespace strata::testing {
 namespace {
@@ -78,6 +80,35 @@ TYPED_TEST(BackendTest, CopiesRoundTripThroughEveryKind) {
   EXPECT_EQ(copy2, src);
   b.deallocate_device(d1);
   b.deallocate_device(d2);
+}
+
+// Note [Compressed copies]: a stream dequantizes a compressed copy into device memory with the
+// CPU kernel's bits (the CUDA kernel too: no FMA, round to nearest even), both widths, three
+// output dtypes, rows that do not divide into groups.
+TYPED_TEST(BackendTest, DequantizesACompressedCopyAsTheCpuKernelDoes) {
+  Backend& b = this->backend();
+  const std::uint64_t rows = 37, cols = 333;
+  std::vector<float> x(rows * cols);
+  for (std::size_t i = 0; i < x.size(); ++i)
+    x[i] = std::sin(0.37f * static_cast<float>(i)) * (1.0f + static_cast<float>(i % 7));
+  for (quant::Bits bits : {quant::Bits::Int8, quant::Bits::Int4}) {
+    const quant::Scheme scheme{bits, 64};
+    const quant::Layout l = quant::layout(scheme, rows, cols);
+    std::vector<std::byte> packed(l.bytes);
+    quant::quantize(scheme, l, DType::F32, x.data(), packed.data(), "w");
+    for (DType dtype : {DType::F32, DType::BF16, DType::F16}) {
+      const std::size_t out_bytes = rows * cols * dtype_bytes(dtype);
+      std::vector<std::byte> want(out_bytes), got(out_bytes);
+      quant::dequantize(bits, l, packed.data(), dtype, want.data(), 0, rows, quant::Isa::baseline);
+      void* d = b.allocate_device(out_bytes);
+      Stream& s = b.h2d_stream();
+      s.dequantize_async(d, packed.data(), packed.size(), {bits, l, dtype});
+      s.copy_async(got.data(), d, out_bytes, CopyKind::DeviceToHost);
+      s.synchronize();
+      EXPECT_EQ(got, want) << quant::to_string(bits) << " to " << to_string(dtype);
+      b.deallocate_device(d);
+    }
+  }
 }
 
 TYPED_TEST(BackendTest, MemsetSetsDeviceBytes) {

@@ -57,6 +57,10 @@ def load_model(
     runtime: Runtime | None = None,
     blocks: Sequence[str] | None = None,
     model_class: Any = None,
+    compress: str | None = None,
+    compress_group: int = 64,
+    compress_rule: Any = None,
+    compress_cache: str | os.PathLike[str] | None = None,
 ) -> nn.Module:
     """A transformers model from a local checkpoint directory (config.json and its safetensors
     files, sharded or not), ready to run with its weights in strata's tiers::
@@ -71,6 +75,13 @@ def load_model(
     checkpoint's) converts floating weights as they are leased. `model_class` defaults to
     AutoModelForCausalLM. The Offloaded handle is ``model.strata`` (stats(), remove()).
     Inputs go on `device`; on "cpu" the host backend stands in for the GPU.
+
+    ``compress="int8"`` or ``"int4"`` keeps the linear layers' weights compressed on the host
+    and NVMe tiers (a quarter or an eighth of fp32's bytes move), dequantized as each block is
+    leased; the first load writes the compressed cache (a progress bar), later ones reuse it
+    while the checkpoint is unchanged. `compress_rule(name, shape, dtype) -> bool` picks other
+    tensors; `compress_group` is the group size; `compress_cache` the cache's directory
+    (default: `nvme_dir`). See offload().
     """
     import transformers
 
@@ -96,5 +107,9 @@ def load_model(
         dtype=dtype,
         prefetch=prefetch,
         blocks=blocks,
+        compress=compress,
+        compress_group=compress_group,
+        compress_rule=compress_rule,
+        compress_cache=compress_cache,
     )
     return model

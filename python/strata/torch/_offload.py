@@ -13,6 +13,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from .._errors import InvalidArgumentError, NotFoundError, OutOfMemoryError, Uns
 from .._pipeline import PrefetchPipeline
 from .._runtime import Lease, Runtime, Tensor
 from ._checkpoint import Checkpoint, MappedTensor, checkpoint_files, map_checkpoint
+from ._compress import Rule, compress_checkpoint
 from ._runtimes import Budget, make_runtime
 
 # Note [Blocks]
@@ -159,6 +161,8 @@ class Offloaded:
         self._depth = 0  # nested calls of the root module
         self._open: tuple[Block, list[Lease]] | None = None
         self._implicit_iteration = False
+        # What compress= did (strata.torch._compress.CacheReport), None without it.
+        self.compression: Any = None
 
     # The root's forward is one iteration.
     def _begin_iteration(self, *_: Any) -> None:
@@ -243,6 +247,33 @@ class Offloaded:
         )
 
 
+def _selector(module: nn.Module, tensors: Mapping[str, MappedTensor], rule: Rule | None) -> Rule:
+    """Which checkpoint tensors to compress: parameters only (buffers are read on the host),
+    those `rule` picks; by default the 2-D weights of linear layers (nn.Linear, transformers'
+    Conv1D) that no embedding shares (a tied lm_head stays full width with its embedding)."""
+    prefix = getattr(module, "base_model_prefix", "") or ""
+    linear: dict[str, bool] = {}  # checkpoint name -> every use is a linear layer's weight
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        for attr, p in mod.named_parameters(recurse=False, remove_duplicate=False):
+            mapped = _resolve([_join(mod_name, attr)], tensors, prefix)
+            if mapped is None:
+                continue
+            is_linear = (
+                attr == "weight"
+                and p.dim() == 2
+                and (isinstance(mod, nn.Linear) or type(mod).__name__ == "Conv1D")
+            )
+            name = mapped.tensor.name
+            linear[name] = linear.get(name, True) and is_linear
+
+    def select(name: str, shape: tuple[int, ...], dtype: str) -> bool:
+        if name not in linear:
+            return False
+        return rule(name, shape, dtype) if rule is not None else linear[name]
+
+    return select
+
+
 def _resolve(
     qualnames: Sequence[str], tensors: Mapping[str, MappedTensor], prefix: str
 ) -> MappedTensor | None:
@@ -275,8 +306,21 @@ def offload(
     dtype: torch.dtype | None = None,
     prefetch: str = "auto",
     blocks: Sequence[str] | None = None,
+    compress: str | None = None,
+    compress_group: int = 64,
+    compress_rule: Rule | None = None,
+    compress_cache: str | os.PathLike[str] | None = None,
+    verify_cache: bool = True,
 ) -> Offloaded:
     """Runs `module` with its parameters in a strata Runtime, leased block by block.
+
+    `compress` ("int8" or "int4") keeps the weights that `compress_rule(name, shape, dtype)`
+    picks (default: the 2-D weights of linear layers; embeddings, norms and biases stay full
+    width) compressed on the host and NVMe tiers, in groups of `compress_group` along their last
+    dimension, dequantized as each block is leased (Note [Compressed copies]). They are
+    quantized once into a cache in `compress_cache` (default: `nvme_dir`, else
+    ~/.cache/strata/compressed), reused while the checkpoint file is unchanged (Note [The
+    compressed cache]); ``handle.compression`` says what was reused or rebuilt, and why.
 
     `checkpoint` is a safetensors checkpoint (a directory, a file or a list of files; its
     tensors are mapped in place) or a mapping of parameter names to tensors already in
@@ -305,6 +349,26 @@ def offload(
         }
     else:
         tensors = map_checkpoint(runtime, checkpoint_files(checkpoint))
+        owned = [m.tensor for m in tensors.values()]
+    report = None
+    if compress is not None:
+        if isinstance(checkpoint, Mapping):
+            raise InvalidArgumentError("offload: compress= needs a checkpoint's files")
+        cache = compress_cache or nvme_dir or Path.home() / ".cache" / "strata" / "compressed"
+        try:
+            tensors, report = compress_checkpoint(
+                runtime,
+                tensors,
+                _selector(module, tensors, compress_rule),
+                compress=compress,
+                group=compress_group,
+                cache_dir=Path(cache),
+                verify=verify_cache,
+            )
+        except BaseException:
+            for t in owned:
+                runtime.destroy(t)
+            raise
         owned = [m.tensor for m in tensors.values()]
     try:
         prefix = getattr(module, "base_model_prefix", "") or ""
@@ -365,6 +429,7 @@ def offload(
         for slot in block.slots:
             slot.owner._parameters[slot.name] = slot.placeholder
     handle = Offloaded(module, runtime, PrefetchPipeline(runtime, prefetch), found, owned, dev)
+    handle.compression = report
     handle._install()
     module.__dict__["strata"] = handle
     return handle

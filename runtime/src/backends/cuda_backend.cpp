@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "backends.h"
+#include "cuda_dequant.h"
 #include "strata/base/error.h"
 #include "strata/base/units.h"
 #include "strata/io/memory_limits.h"
@@ -137,6 +138,35 @@ class CudaStream final : public Stream {
     NvtxRange range(copy_label(kind));
     STRATA_CUDA_TRY(cudaSetDevice(device_));
     STRATA_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, to_cuda(kind), stream_));
+  }
+  // Note [Compressed copies]: the compressed bytes cross the link into a scratch block of CUDA's
+  // stream-ordered pool (beside the device budget: a quarter or an eighth of the tensor, freed
+  // in stream order once the kernel has read it), and the kernel writes the device copy.
+  void dequantize_async(void* dst, const void* src, std::size_t src_bytes,
+                        const DequantJob& job) override {
+    STRATA_EXPECTS(src_bytes == job.layout.bytes, "stream ", name(), ": dequantize of ", src_bytes,
+                   " bytes, the layout has ", job.layout.bytes);
+    if (src_bytes == 0) return;
+    NvtxRange range("dequantize");
+    STRATA_CUDA_TRY(cudaSetDevice(device_));
+    void* scratch = nullptr;
+    STRATA_CUDA_TRY(cudaMallocAsync(&scratch, src_bytes, stream_));
+    STRATA_CUDA_TRY(cudaMemcpyAsync(scratch, src, src_bytes, cudaMemcpyHostToDevice, stream_));
+    const quant::Layout& l = job.layout;
+    const cuda::DequantShape shape{job.bits == quant::Bits::Int4,
+                                   job.dtype == DType::F32    ? 0
+                                   : job.dtype == DType::BF16 ? 1
+                                                              : 2,
+                                   l.rows,
+                                   l.cols,
+                                   l.groups_per_row,
+                                   l.row_stride,
+                                   l.group};
+    const int launched = cuda::launch_dequantize(stream_, scratch, dst, shape);
+    STRATA_CUDA_TRY(cudaFreeAsync(scratch, stream_));
+    if (launched != 0)
+      ::strata::detail::throw_cuda("the dequantize kernel's launch",
+                                   static_cast<cudaError_t>(launched));
   }
   void memset_async(void* dst, int value, std::size_t bytes) override {
     if (bytes == 0) return;

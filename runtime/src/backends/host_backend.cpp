@@ -122,6 +122,20 @@ class HostStream final : public Stream {
     });
   }
 
+  void dequantize_async(void* dst, const void* src, std::size_t src_bytes,
+                        const DequantJob& job) override {
+    STRATA_EXPECTS(dst != nullptr && src != nullptr, "stream ", name(),
+                   ": dequantize with a null pointer");
+    STRATA_EXPECTS(src_bytes == job.layout.bytes, "stream ", name(), ": dequantize of ", src_bytes,
+                   " bytes, the layout has ", job.layout.bytes);
+    enqueue([links = links_.get(), dst, src, src_bytes, job] {
+      PacedLink* link = links->for_kind(CopyKind::HostToDevice);
+      const auto done_by = link != nullptr ? link->reserve(src_bytes) : Clock::time_point{};
+      quant::dequantize(job.bits, job.layout, src, job.dtype, dst, 0, job.layout.rows);
+      if (done_by != Clock::time_point{}) std::this_thread::sleep_until(done_by);
+    });
+  }
+
   void memset_async(void* dst, int value, std::size_t bytes) override {
     STRATA_EXPECTS(bytes == 0 || dst != nullptr, "stream ", name(), ": memset of ", bytes,
                    " bytes at a null pointer");

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 
@@ -290,10 +291,20 @@ __attribute__((flatten)) void dequantize_baseline(const Job& j) {
 
 }  // namespace
 
+// The widest variant the CPU runs, unless STRATA_QUANT_ISA names a narrower one that it runs
+// (the tests load a model once per variant and compare the outputs bit for bit).
 Isa native_isa() noexcept {
-  return __builtin_cpu_supports("avx512f") ? Isa::avx512f
-         : __builtin_cpu_supports("avx2")  ? Isa::avx2
-                                           : Isa::baseline;
+  static const Isa isa = [] {
+    const Isa widest = __builtin_cpu_supports("avx512f") ? Isa::avx512f
+                       : __builtin_cpu_supports("avx2")  ? Isa::avx2
+                                                         : Isa::baseline;
+    const char* forced = std::getenv("STRATA_QUANT_ISA");
+    if (forced == nullptr) return widest;
+    for (Isa v : {Isa::baseline, Isa::avx2, Isa::avx512f})
+      if (to_string(v) == forced && supports(v)) return v;
+    return widest;
+  }();
+  return isa;
 }
 
 bool supports(Isa isa) noexcept {

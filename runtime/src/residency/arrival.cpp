@@ -89,6 +89,23 @@ bool Runtime::Impl::prefetch_replacing(std::unique_lock<std::mutex>& lock, Tenso
     break;
   }
   Copy& d = t.copies[idx(Tier::Device)];
+  if (t.compressed()) {
+    // Note [Compressed copies]: from its host copy only (brought from NVMe first), dequantized
+    // whole; it does not arrive in pieces, so it needs free device room.
+    if (!t.current(Tier::Host)) {
+      ensure(lock, t, Tier::Host, /*count=*/false, Access::Read, /*prefetch=*/true,
+             /*lease=*/false);
+      settled.wait(lock, [&] { return t.copies[idx(Tier::Host)].state != CopyState::Loading; });
+      const Copy& now = t.copies[idx(Tier::Device)];
+      if (now.state == CopyState::Loading || t.current(Tier::Device)) return true;
+      if (!t.current(Tier::Host)) return false;
+    }
+    if (!try_alloc(t, Tier::Device)) return false;
+    start_load(lock, t, Tier::Device, Tier::Host);
+    d.last_use = ++clock;
+    run_after_unlock(lock);
+    return true;
+  }
   const Tier src = source_for(t, Tier::Device);
   if (!try_alloc(t, Tier::Device)) {
     // Free blocks and the replaceable copies' blocks, by address.

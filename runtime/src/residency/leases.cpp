@@ -119,7 +119,7 @@ Lease LeaseFuture::get() {
     std::rethrow_exception(error);
   }
   lease.data_ = c.ptr;
-  lease.bytes_ = t.desc.bytes;
+  lease.bytes_ = t.bytes_on(tier_);
   lease.event_ = c.state == CopyState::Valid ? nullptr : c.event;
   return lease;
 }

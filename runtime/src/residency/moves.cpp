@@ -41,7 +41,7 @@ void Runtime::Impl::finish_move(TensorState& t, Tier dst, Tier src, std::excepti
     c.version = std::max(c.version, version);  // a write lease may have ended during the load
     c.ready = true;
     // A move through a kept host copy reported its first leg when that copy landed.
-    notify([&](Observer& o) { o.landed(t.id, t.desc.bytes, via.value_or(src), dst); });
+    notify([&](Observer& o) { o.landed(t.id, t.bytes_moved(src, dst), via.value_or(src), dst); });
   }
   --t.moves;
   --moves_in_flight;
@@ -61,6 +61,9 @@ void Runtime::Impl::start_load(std::unique_lock<std::mutex>& lock, TensorState& 
     STRATA_FAIL(Errc::internal, "tensor \"", t.desc.name, "\": a move into its ", to_string(dst),
                 " copy, which is current or has a move in flight (Note [One move into a copy])");
   }
+  if (t.compressed() && (src == Tier::Device || (src == Tier::Nvme && dst == Tier::Device)))
+    STRATA_FAIL(Errc::internal, "tensor \"", t.desc.name, "\" is compressed: no way from ",
+                to_string(src), " to ", to_string(dst), " (Note [Compressed copies])");
   const Way way = way_across(src, dst);
   if (way == nullptr) {
     STRATA_FAIL(Errc::internal, "tensor \"", t.desc.name, "\": no way across from ", to_string(src),

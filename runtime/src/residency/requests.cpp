@@ -29,6 +29,8 @@ bool Runtime::Impl::discard(std::unique_lock<std::mutex>& lock, TensorState& t, 
   const Tier own_tier = own != nullptr ? own->tier() : Tier::Nvme;
   STRATA_EXPECTS(!t.copies[idx(Tier::Nvme)].mapped, "discard \"", t.desc.name,
                  "\": it is a read-only mapping of a file");
+  STRATA_EXPECTS(!t.compressed(), "discard \"", t.desc.name,
+                 "\": it is stored compressed and read-only (nothing could refill it)");
   const auto check_leases = [&] {
     for (Tier tier : {Tier::Device, Tier::Host})
       STRATA_EXPECTS(t.copies[idx(tier)].leases == 0, "discard \"", t.desc.name,
@@ -60,6 +62,7 @@ bool Runtime::Impl::discard(std::unique_lock<std::mutex>& lock, TensorState& t, 
 // (stream_inference-like loops under the prefetch pipeline hung about one run in two).
 void Runtime::Impl::ensure(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier,
                            bool count, Access access, bool prefetch, bool lease) {
+  bool host_tried = false;  // Note [Compressed copies]
   const auto take = [&](Copy& c) {
     if (!lease) return;
     ++c.leases;  // no eviction now
@@ -118,6 +121,15 @@ void Runtime::Impl::ensure(std::unique_lock<std::mutex>& lock, TensorState& t, T
       const Copy& h = t.copies[idx(Tier::Host)];
       if (h.state == CopyState::Loading && h.version == t.version) {
         settled.wait(lock);
+        continue;
+      }
+      // Note [Compressed copies]: a compressed tensor reaches the device from its host copy
+      // (dequantized on the way); from NVMe it lands on the host first. A failed host load
+      // ends here, with its error.
+      if (t.compressed() && !t.current(Tier::Host)) {
+        if (host_tried && h.error) std::rethrow_exception(h.error);
+        host_tried = true;
+        ensure(lock, t, Tier::Host, false, Access::Read, prefetch, /*lease=*/false);
         continue;
       }
     }

@@ -111,7 +111,7 @@ void Runtime::Impl::room_step(std::unique_lock<std::mutex>& lock, std::vector<Ro
   }
   // Free bytes that would hold it, in holes: slide a copy down (without the lock), look again.
   if (MemoryPool* p = pool(tier); p != nullptr &&
-                                  p->stats().free_bytes >= align_up(t.desc.bytes, kPageBytes) &&
+                                  p->stats().free_bytes >= align_up(t.bytes_on(tier), kPageBytes) &&
                                   compact(lock, tier))
     return;
   // Copies still landing are shown to the policy too: if it would rather evict one of those,
@@ -126,9 +126,9 @@ void Runtime::Impl::room_step(std::unique_lock<std::mutex>& lock, std::vector<Ro
   if (!candidates.empty()) {
     std::vector<EvictionCandidate> view;
     for (TensorState* c : candidates)
-      view.push_back({c->id, c->desc.bytes, c->copies[idx(tier)].last_use, dirty(*c, tier)});
+      view.push_back({c->id, c->bytes_on(tier), c->copies[idx(tier)].last_use, dirty(*c, tier)});
     for (TensorState* c : landing)
-      view.push_back({c->id, c->desc.bytes, c->copies[idx(tier)].last_use, false});
+      view.push_back({c->id, c->bytes_on(tier), c->copies[idx(tier)].last_use, false});
     const std::size_t pick = policy->choose(tier, view);
     if (pick >= candidates.size()) {
       room.wait(lock);  // the policy's victim is still landing
@@ -196,7 +196,7 @@ void Runtime::Impl::evict_step(std::unique_lock<std::mutex>& lock, std::vector<R
       run_after_unlock(lock);
       settled.wait(lock, [&] { return dst.state != CopyState::Loading; });
       if (dst.error) std::rethrow_exception(dst.error);
-      notify([&](Observer& o) { o.written_back(t.id, t.desc.bytes, from); });
+      notify([&](Observer& o) { o.written_back(t.id, t.bytes_on(from), from); });
       frames.back().stage = RoomFrame::Stage::Drop;
       return;
     }
@@ -209,7 +209,7 @@ void Runtime::Impl::evict_step(std::unique_lock<std::mutex>& lock, std::vector<R
       }
       const Tier tier = f.tier;
       frames.pop_back();
-      notify([&](Observer& o) { o.evicted(t.id, t.desc.bytes, tier); });
+      notify([&](Observer& o) { o.evicted(t.id, t.bytes_on(tier), tier); });
       free_space(t, tier);
       on_gone();
       return;

@@ -23,7 +23,7 @@ using namespace residency;  // NOLINT(google-build-using-namespace): the core's 
 bool Runtime::Impl::try_alloc(TensorState& t, Tier tier) {
   Copy& c = t.copies[idx(tier)];
   if (c.has_space()) return true;
-  const std::uint64_t bytes = t.desc.bytes;
+  const std::uint64_t bytes = t.bytes_on(tier);
   if (tier == Tier::Device) {
     c.ptr = static_cast<std::byte*>(
         backend->device_pool().try_allocate(bytes, tunables::kDeviceAlignment));
@@ -89,8 +89,8 @@ void Runtime::Impl::out_of_memory(Tier tier, const TensorState& t) {
     if (c.leases > 0 || c.pins > 0 || c.state == CopyState::Loading) {
       leased +=
           detail::concat(leased.empty() ? "" : ", ", "\"", other->desc.name, "\" (",
-                         other->desc.bytes, " bytes", c.leases ? ", leased" : ", in use", ")");
-      leased_bytes += other->desc.bytes;
+                         other->bytes_on(tier), " bytes", c.leases ? ", leased" : ", in use", ")");
+      leased_bytes += other->bytes_on(tier);
     }
   }
   std::uint64_t free = 0, largest = 0;
@@ -104,7 +104,7 @@ void Runtime::Impl::out_of_memory(Tier tier, const TensorState& t) {
     largest = s.largest_free_bytes;
   }
   throw OutOfMemoryError(
-      std::string(to_string(tier)), t.desc.bytes, free, largest,
+      std::string(to_string(tier)), t.bytes_on(tier), free, largest,
       detail::concat("tensor \"", t.desc.name,
                      "\" cannot be placed: everything else on the tier "
                      "is in use (",
@@ -137,7 +137,7 @@ bool Runtime::Impl::compact(std::unique_lock<std::mutex>& lock, Tier tier) {
       if (fp + fb == c.ptr) gap = fp;
     if (gap == nullptr) continue;
     const std::size_t size =
-        align_up(t->desc.bytes, tier == Tier::Host ? kPageBytes : tunables::kDeviceAlignment);
+        align_up(t->bytes_on(tier), tier == Tier::Host ? kPageBytes : tunables::kDeviceAlignment);
     const std::size_t step = static_cast<std::size_t>(c.ptr - gap);  // no chunk overlaps
     const bool overlap = step < size;
     std::byte* old = c.ptr;
@@ -169,7 +169,7 @@ bool Runtime::Impl::compact(std::unique_lock<std::mutex>& lock, Tier tier) {
       }
       now.ptr = gap;
       now.event.reset();
-      notify([&](Observer& o) { o.compacted(moving.id, moving.desc.bytes, tier); });
+      notify([&](Observer& o) { o.compacted(moving.id, moving.bytes_on(tier), tier); });
     }
     now.state = CopyState::Valid;
     now.ready = true;
@@ -192,6 +192,8 @@ bool Runtime::Impl::stage(std::unique_lock<std::mutex>& lock, TensorState& t, Ti
   for (std::size_t i = idx(tier) + 1; i < kTiers; ++i)
     below_current = below_current || t.current(static_cast<Tier>(i));
   if (!below_current) return false;
+  // Note [Compressed copies]: to the device from a current host copy only.
+  if (tier == Tier::Device && t.compressed() && !t.current(Tier::Host)) return false;
   for (;;) {
     if (try_alloc(t, tier)) break;
     auto candidates = evictable(tier, t);
@@ -199,8 +201,8 @@ bool Runtime::Impl::stage(std::unique_lock<std::mutex>& lock, TensorState& t, Ti
     if (candidates.empty()) return false;
     std::vector<EvictionCandidate> view;
     for (TensorState* c : candidates)
-      view.push_back({c->id, c->desc.bytes, c->copies[idx(tier)].last_use, false});
-    view.push_back({t.id, t.desc.bytes, 0, false});
+      view.push_back({c->id, c->bytes_on(tier), c->copies[idx(tier)].last_use, false});
+    view.push_back({t.id, t.bytes_on(tier), 0, false});
     const std::size_t pick = policy->choose(tier, view);
     if (pick >= candidates.size()) return false;
     evict_copy(lock, *candidates[pick], tier);  // clean: dropped, the lock kept

@@ -29,6 +29,7 @@
 #include <memory>
 
 #include "strata/io/swap_space.h"
+#include "strata/quant/group_quant.h"
 #include "strata/runtime/backend.h"
 #include "strata/runtime/tensor.h"
 #include "strata/runtime/tier.h"
@@ -61,11 +62,24 @@ struct Copy {
 struct TensorState {
   TensorId id = 0;
   TensorDesc desc;
+  /// Note [Compressed copies]: the bytes of its Host and Nvme copies (desc.bytes when it is not
+  /// compressed) and, when it is, where they are.
+  std::uint64_t stored = 0;
+  quant::Layout layout;
   Tier home = Tier::Host;
   std::uint64_t version = 1;
   std::array<Copy, kTiers> copies;
   int moves = 0;           // in flight
   bool discarded = false;  // no bytes anywhere until the next write
+  [[nodiscard]] bool compressed() const { return desc.compression.codec != Codec::None; }
+  /// The bytes of its copy on `t`: the Device copy is full width, the others as stored.
+  [[nodiscard]] std::uint64_t bytes_on(Tier t) const {
+    return t == Tier::Device ? desc.bytes : stored;
+  }
+  /// The bytes a move between two tiers carries.
+  [[nodiscard]] std::uint64_t bytes_moved(Tier a, Tier b) const {
+    return bytes_on(a) < bytes_on(b) ? bytes_on(a) : bytes_on(b);
+  }
   [[nodiscard]] bool current(Tier t) const {
     const Copy& c = copies[idx(t)];
     return (c.state == CopyState::Valid || c.state == CopyState::Evicting) && c.version == version;

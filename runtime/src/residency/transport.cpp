@@ -9,6 +9,11 @@
 //   Nvme       chunk pipeline (read,    one read           -
 //              then h2d; or direct)
 //
+// A compressed tensor (Note [Compressed copies]) moves as stored between Host and Nvme, reaches
+// the device from its host copy only, dequantized on the h2d stream (ensure() brings it to the
+// host first), and never goes down from the device (it is read-only: its device copy is never
+// the newest alone).
+//
 // A new way (GPUDirect Storage's cuFile for Nvme <-> Device) is one new function and its entry
 // in the table.
 
@@ -16,6 +21,7 @@
 #include <array>
 
 #include "impl.h"
+#include "strata/base/error.h"
 
 namespace strata {
 
@@ -46,11 +52,34 @@ void Runtime::Impl::copy_on_stream(TensorState& t, Tier dst, Tier src, std::uint
   Copy& d = t.copies[idx(dst)];
   const Copy& s = t.copies[idx(src)];
   const bool up = dst == Tier::Device;
-  const std::uint64_t bytes = t.desc.bytes;
+  const std::uint64_t bytes = t.bytes_moved(src, dst);
   TensorState* tp = &t;
   Stream& stream = up ? backend->h2d_stream() : backend->d2h_stream();
   auto event = std::shared_ptr<Event>(backend->create_event());
   const std::uint64_t enqueued = steady_ns();
+  if (t.compressed()) {
+    if (!up)
+      STRATA_FAIL(Errc::internal, "tensor \"", t.desc.name,
+                  "\" is compressed: its device copy never goes down (it is read-only)");
+    const Stream::DequantJob job{
+        t.desc.compression.codec == Codec::Int4 ? quant::Bits::Int4 : quant::Bits::Int8, t.layout,
+        t.desc.dtype};
+    stream.dequantize_async(d.ptr, s.ptr, bytes, job);
+    stream.record(*event);
+    d.event = event;
+    d.ready = true;
+    stream.launch_host_func([this, tp, dst, src, version, enqueued, bytes] {
+      const std::uint64_t end = steady_ns();
+      const std::uint64_t start = std::min(end, std::max(enqueued, h2d_last_ns.exchange(end)));
+      const std::uint64_t full = tp->desc.bytes;
+      notify([&](Observer& o) {
+        o.span(Track::Dequant, start, end, bytes, tp->id);
+        o.landed_compressed(tp->id, bytes, full, Tier::Device, start, end);
+      });
+      finish_move(*tp, dst, src, nullptr, version);
+    });
+    return;
+  }
   stream.copy_async(d.ptr, s.ptr, bytes, up ? CopyKind::HostToDevice : CopyKind::DeviceToHost);
   stream.record(*event);
   d.event = event;
@@ -66,7 +95,7 @@ void Runtime::Impl::one_io(TensorState& t, Tier dst, Tier src, std::uint64_t ver
   const bool read = src == Tier::Nvme;
   const ExtentId extent = read ? t.copies[idx(src)].extent : t.copies[idx(dst)].extent;
   std::byte* ptr = read ? t.copies[idx(dst)].ptr : t.copies[idx(src)].ptr;
-  const std::uint64_t bytes = t.desc.bytes;
+  const std::uint64_t bytes = t.stored;  // as stored on both (Note [Compressed copies])
   TensorState* tp = &t;
   const std::uint64_t submitted = steady_ns();
   // Submitted after the lock is released: an I/O that fails at once completes inline, and its
@@ -74,6 +103,8 @@ void Runtime::Impl::one_io(TensorState& t, Tier dst, Tier src, std::uint64_t ver
   io_after_unlock_.push_back([=, this] {
     auto done = [=, this](std::exception_ptr e) {
       span(read ? Track::NvmeRead : Track::NvmeWrite, submitted, bytes, tp->id);
+      if (!e && tp->compressed())
+        notify([&](Observer& o) { o.landed_compressed(tp->id, bytes, bytes, dst, 0, 0); });
       finish_move(*tp, dst, src, e, version);
     };
     if (read)

@@ -11,6 +11,7 @@
 #include <string>
 #include <string_view>
 
+#include "strata/quant/group_quant.h"
 #include "strata/runtime/memory_pool.h"
 
 namespace strata {
@@ -87,6 +88,18 @@ class Stream {
   /// from `fn` is reported by the next synchronize(), which returns once every function
   /// launched before it has run.
   virtual void launch_host_func(std::function<void()> fn) = 0;
+  /// Makes a compressed tensor's device copy (Note [Compressed copies]): reads `src_bytes` of
+  /// codes and groups from pinned host memory at src and writes the dequantized values
+  /// (job.dtype, job.layout's rows x cols) to device memory at dst, once the work before it has
+  /// run; as a copy, it crosses the host-to-device link with the compressed bytes only. The host
+  /// backend runs strata::quant's CPU kernel on the stream's worker. Default: unsupported.
+  struct DequantJob {
+    quant::Bits bits = quant::Bits::Int8;
+    quant::Layout layout;
+    DType dtype = DType::F32;
+  };
+  virtual void dequantize_async(void* dst, const void* src, std::size_t src_bytes,
+                                const DequantJob& job);
   /// Blocks until all work enqueued so far has run; rethrows a failure of that work.
   virtual void synchronize() = 0;
 

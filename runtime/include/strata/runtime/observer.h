@@ -15,7 +15,17 @@
 namespace strata {
 
 /// The lanes a timeline shows; each is a track in the Chrome trace.
-enum class Track : std::uint8_t { Compute, H2D, D2H, D2D, NvmeRead, NvmeWrite, Eviction, Count };
+enum class Track : std::uint8_t {
+  Compute,
+  H2D,
+  D2H,
+  D2D,
+  NvmeRead,
+  NvmeWrite,
+  Eviction,
+  Dequant,  ///< a compressed copy dequantized into its device copy
+  Count
+};
 std::string_view to_string(Track track) noexcept;
 
 /// The clock every span is measured on: nanoseconds of std::chrono::steady_clock.
@@ -42,6 +52,13 @@ class Observer {
   /// host copy lands twice (Nvme -> Host, then Host -> Device).
   virtual void landed(TensorId tensor, std::uint64_t bytes, Tier from, Tier to) noexcept {
     (void)tensor, (void)bytes, (void)from, (void)to;
+  }
+  /// A compressed tensor's copy (Note [Compressed copies]) landed on `to` with `stored_bytes`
+  /// moved (reported beside landed(), which counts the same bytes); on the device it was
+  /// dequantized into `bytes` over [start_ns, end_ns) (0, 0 elsewhere).
+  virtual void landed_compressed(TensorId tensor, std::uint64_t stored_bytes, std::uint64_t bytes,
+                                 Tier to, std::uint64_t start_ns, std::uint64_t end_ns) noexcept {
+    (void)tensor, (void)stored_bytes, (void)bytes, (void)to, (void)start_ns, (void)end_ns;
   }
   /// The tensor's copy on `tier` was dropped to make room (or because it was asked to be).
   virtual void evicted(TensorId tensor, std::uint64_t bytes, Tier tier) noexcept {

@@ -20,6 +20,12 @@ struct TierStats {
   std::uint64_t hits = 0;         ///< acquires that found a current copy
   std::uint64_t misses = 0;       ///< acquires that had to move the tensor
   std::uint64_t compactions = 0;  ///< copies slid to close holes
+  /// Note [Compressed copies]: of bytes_in, those that arrived compressed (on the device: the
+  /// compressed bytes read to make a copy), and the dequantizations done here.
+  std::uint64_t bytes_in_compressed = 0;
+  std::uint64_t dequantizations = 0;
+  std::uint64_t bytes_dequantized = 0;  ///< full-width bytes they produced
+  std::uint64_t dequant_ns = 0;         ///< their time on the stream that ran them
 };
 
 /// Bytes moved, named after the path they took: NVMe chunks landing in a kept host copy count as

@@ -1,0 +1,240 @@
+// Compressed tensors in the residency manager (Note [Compressed copies]): stored as int8/int4 on
+// the host and NVMe tiers (their bytes, their moves and their counters), dequantized into the
+// device copy on arrival (from the host copy, after NVMe -> host), read-only everywhere, the
+// device copy dropped without a write-back, a failed NVMe read surfacing with the tensor intact,
+// a mapped file of stored bytes, and the errors for what cannot be compressed.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <random>
+
+#include <nlohmann/json.hpp>
+
+#include "runtime/runtime_fixture.h"
+#include "strata/base/error.h"
+#include "strata/quant/group_quant.h"
+#include "strata/runtime/runtime.h"
+#include "strata/runtime/telemetry.h"
+
+namespace strata::testing {
+namespace {
+
+constexpr std::int64_t kRows = 96, kCols = 200;  // groups of 64, 64, 64 and 8 a row
+
+TensorDesc weight(const std::string& name, Codec codec, DType dtype = DType::F32) {
+  TensorDesc d;
+  d.name = name;
+  d.dtype = dtype;
+  d.shape = {kRows, kCols};
+  d.kind = TensorKind::Param;
+  d.compression = {codec, 64};
+  return d;
+}
+
+std::vector<float> values(std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 0.05f);
+  std::vector<float> v(kRows * kCols);
+  for (float& x : v)
+    x = normal(rng);
+  return v;
+}
+
+quant::Scheme scheme_of(Codec codec) {
+  return {codec == Codec::Int4 ? quant::Bits::Int4 : quant::Bits::Int8, 64};
+}
+
+// What the device copy must hold: the stored bytes of `v`, dequantized (strata::quant, whose
+// results tests/python/test_quant.py checks against an independent reference).
+std::vector<float> expected(const std::vector<float>& v, Codec codec) {
+  const quant::Layout l = quant::layout(scheme_of(codec), kRows, kCols);
+  std::vector<std::byte> packed(l.bytes);
+  quant::quantize(scheme_of(codec), l, DType::F32, v.data(), packed.data(), "w");
+  std::vector<float> out(v.size());
+  quant::dequantize(scheme_of(codec).bits, l, packed.data(), DType::F32, out.data(), 0, kRows);
+  return out;
+}
+
+std::vector<float> device_values(Runtime& rt, TensorId t) {
+  Lease lease = rt.acquire(t, Tier::Device, Access::Read).get();
+  lease.wait();
+  EXPECT_EQ(lease.bytes(), sizeof(float) * kRows * kCols);  // the device copy is full width
+  const float* p = lease.as<const float>();
+  return {p, p + kRows * kCols};
+}
+
+class CompressedTest : public ::testing::Test {
+ protected:
+  std::unique_ptr<Runtime> make(Budgets b = {}) {
+    return std::make_unique<Runtime>(small_options(dir_.path(), b));
+  }
+  TempDir dir_;
+};
+
+TEST_F(CompressedTest, AHostTensorIsStoredCompressedAndDequantizedIntoItsDeviceCopy) {
+  for (Codec codec : {Codec::Int8, Codec::Int4}) {
+    SCOPED_TRACE(to_string(codec));
+    auto rt = make();
+    const auto v = values(1);
+    const TensorId t = rt->create_tensor(weight("w", codec), Tier::Host, v.data());
+    const std::uint64_t stored = quant::layout(scheme_of(codec), kRows, kCols).bytes;
+    EXPECT_EQ(rt->tier_stats(Tier::Host).used_bytes, (stored + 4095) / 4096 * 4096);
+    const auto got = device_values(*rt, t);
+    EXPECT_EQ(got, expected(v, codec));
+    // Within half a step of the original: the step of this data is at most 0.5 / 15 (int4).
+    for (std::size_t i = 0; i < v.size(); ++i)
+      ASSERT_NEAR(got[i], v[i], 0.02) << i;
+    rt->synchronize();
+    const TierStats d = rt->tier_stats(Tier::Device);
+    EXPECT_EQ(d.bytes_in, stored);  // the compressed bytes crossed the link
+    EXPECT_EQ(d.bytes_in_compressed, stored);
+    EXPECT_EQ(d.dequantizations, 1u);
+    EXPECT_EQ(d.bytes_dequantized, sizeof(float) * v.size());
+    EXPECT_EQ(rt->transfer_stats().bytes_host_to_device, stored);
+    // read() gives the dequantized values too.
+    std::vector<float> r(v.size());
+    rt->read(t, r.data(), r.size() * sizeof(float));
+    EXPECT_EQ(r, got);
+  }
+}
+
+TEST_F(CompressedTest, FromNvmeItLandsOnTheHostFirstAndTheTraceShowsTheDequantization) {
+  auto rt = make();
+  const auto v = values(2);
+  const TensorId t = rt->create_tensor(weight("w", Codec::Int4), Tier::Nvme, v.data());
+  const std::uint64_t stored = quant::layout(scheme_of(Codec::Int4), kRows, kCols).bytes;
+  EXPECT_EQ(device_values(*rt, t), expected(v, Codec::Int4));
+  rt->synchronize();
+  const TransferStats x = rt->transfer_stats();
+  EXPECT_EQ(x.bytes_nvme_to_host, stored);
+  EXPECT_EQ(x.bytes_host_to_device, stored);
+  EXPECT_EQ(x.bytes_nvme_to_device, 0u);
+  EXPECT_EQ(rt->tier_stats(Tier::Host).bytes_in_compressed, stored);
+  int nvme = 0, dequant = 0;
+  for (const TraceEvent& e : rt->telemetry().events()) {
+    if (e.tensor != t) continue;
+    nvme += e.track == Track::NvmeRead;
+    if (e.track == Track::Dequant) {
+      ++dequant;
+      EXPECT_EQ(e.bytes, stored);
+    }
+  }
+  EXPECT_EQ(nvme, 1);
+  EXPECT_EQ(dequant, 1);
+  const auto j = nlohmann::json::parse(rt->stats_json());
+  EXPECT_EQ(j["tiers"]["Device"]["dequantizations"], 1);
+  EXPECT_GT(j["tiers"]["Device"]["dequant_ns"].get<std::uint64_t>(), 0u);
+  // Dropped from the device and the host, it comes back the same; the device copy was never
+  // written back (it is never the newest alone).
+  rt->evict(t, Tier::Device);
+  rt->evict(t, Tier::Host);
+  EXPECT_EQ(device_values(*rt, t), expected(v, Codec::Int4));
+  EXPECT_EQ(rt->tier_stats(Tier::Device).write_backs, 0u);
+}
+
+TEST_F(CompressedTest, DeviceCopiesAreDroppedNotWrittenBackUnderPressure) {
+  Budgets b;
+  b.device = 100 * KiB;  // one 75 KiB device copy at a time
+  auto rt = make(b);
+  const auto v1 = values(3), v2 = values(4);
+  const TensorId a = rt->create_tensor(weight("a", Codec::Int8), Tier::Nvme, v1.data());
+  const TensorId c = rt->create_tensor(weight("c", Codec::Int8), Tier::Nvme, v2.data());
+  for (int round = 0; round < 3; ++round) {
+    EXPECT_EQ(device_values(*rt, a), expected(v1, Codec::Int8));
+    EXPECT_EQ(device_values(*rt, c), expected(v2, Codec::Int8));
+  }
+  EXPECT_GE(rt->tier_stats(Tier::Device).evictions, 5u);
+  EXPECT_EQ(rt->tier_stats(Tier::Device).write_backs, 0u);
+  EXPECT_EQ(rt->tier_stats(Tier::Device).dequantizations, 6u);
+}
+
+TEST_F(CompressedTest, AFailedNvmeReadSurfacesAndTheTensorSurvives) {
+  Budgets b;
+  b.faults = {"read:1:eio"};
+  auto rt = make(b);
+  const auto v = values(5);
+  const TensorId t = rt->create_tensor(weight("w", Codec::Int8), Tier::Nvme, v.data());
+  EXPECT_THROW(rt->acquire(t, Tier::Device, Access::Read).get(), IoError);
+  EXPECT_FALSE(rt->resident(t, Tier::Device));
+  EXPECT_EQ(device_values(*rt, t), expected(v, Codec::Int8));  // the next read succeeds
+}
+
+TEST_F(CompressedTest, AMappedFileOfStoredBytesIsDequantizedOnTheDevice) {
+  const auto v = values(6);
+  const quant::Layout l = quant::layout(scheme_of(Codec::Int8), kRows, kCols);
+  std::vector<std::byte> packed(l.bytes);
+  quant::quantize(scheme_of(Codec::Int8), l, DType::F32, v.data(), packed.data(), "w");
+  const std::string path = dir_.path() + "/cache.bin";
+  {
+    std::ofstream f(path, std::ios::binary);
+    f.write("header!", 7);  // an offset that is not page-aligned
+    f.write(reinterpret_cast<const char*>(packed.data()), static_cast<std::streamsize>(l.bytes));
+  }
+  auto rt = make();
+  const TensorId t = rt->map_tensor(weight("w", Codec::Int8), path, 7);
+  EXPECT_EQ(device_values(*rt, t), expected(v, Codec::Int8));
+}
+
+TEST_F(CompressedTest, ACompressedTensorIsReadOnlyAndLeasedOnTheDeviceOnly) {
+  auto rt = make();
+  const auto v = values(7);
+  const TensorId t = rt->create_tensor(weight("blk.0.w", Codec::Int8), Tier::Host, v.data());
+  const auto refuses = [&](auto&& call, const std::string& what) {
+    try {
+      call();
+      ADD_FAILURE() << what << ": no error";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::invalid_argument) << what;
+      EXPECT_NE(std::string(e.what()).find("\"blk.0.w\": it is stored compressed (int8, groups of "
+                                           "64) and read-only"),
+                std::string::npos)
+          << e.what();
+    }
+  };
+  refuses([&] { (void)rt->acquire(t, Tier::Host, Access::Read); }, "host lease");
+  refuses([&] { (void)rt->acquire(t, Tier::Device, Access::ReadWrite); }, "write lease");
+  refuses([&] { rt->write(t, v.data(), v.size() * sizeof(float)); }, "write");
+  EXPECT_THROW(rt->discard(t), Error);
+  {
+    Lease lease = rt->acquire(t, Tier::Device, Access::Read).get();
+    EXPECT_FALSE(lease.discard());  // only released
+  }
+  EXPECT_EQ(device_values(*rt, t), expected(v, Codec::Int8));  // nothing was lost
+}
+
+TEST_F(CompressedTest, WhatCannotBeCompressedIsRefusedNamingIt) {
+  auto rt = make();
+  TensorDesc ids = weight("ids", Codec::Int8, DType::I32);
+  try {
+    rt->create_tensor(ids, Tier::Host);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("tensor \"ids\": i32 cannot be compressed (int8)"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(rt->create_tensor(weight("w", Codec::Int8), Tier::Device), Error);
+  TensorDesc no_shape = weight("w", Codec::Int8);
+  no_shape.shape.clear();
+  no_shape.bytes = 4 * kRows * kCols;
+  EXPECT_THROW(rt->create_tensor(no_shape, Tier::Host), Error);
+  TensorDesc odd = weight("w", Codec::Int4);
+  odd.compression.group = 63;
+  EXPECT_THROW(rt->create_tensor(odd, Tier::Host), Error);
+  auto v = values(8);
+  v[5 * kCols + 70] = NAN;  // row 5, group 1
+  try {
+    rt->create_tensor(weight("nan.w", Codec::Int8), Tier::Host, v.data());
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("tensor 'nan.w': element 70 of row 5 is nan"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(rt->tensors().size(), 0u);  // nothing half-made is left
+}
+
+}  // namespace
+}  // namespace strata::testing
