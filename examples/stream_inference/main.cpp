@@ -82,6 +82,14 @@ int main(int argc, char** argv) {
                  "refuse the figures when max(compute_s, transfer_s) / step_s is above this "
                  "(default and largest: 1.02)")
       ->check(CLI::Range(0.0, kMaxRoofline));
+  app.add_option("--compress", c.compress,
+                 "int8 | int4: the weights compressed on the host and NVMe tiers (a cache beside "
+                 "the model, built once), dequantized on arrival")
+      ->check(CLI::IsMember({"int8", "int4"}));
+  app.add_option("--compress-group", c.compress_group, "--compress: elements a group")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--compress-cache", c.compress_cache,
+                 "--compress: the cache's directory (default: the model's)");
   app.add_option("--trace", c.trace, "Chrome trace of the last pass");
   app.add_option("--svg", c.svg, "SVG timeline of the last pass");
   app.add_option("--generate", generate, "write a synthetic model to this file and exit");
@@ -161,6 +169,12 @@ int main(int argc, char** argv) {
                                  {"output_checksum", output_checksum(r.output)},
                                  {"passes_agree", r.passes_agree},
                                  {"peak_device_bytes", r.peak_device_bytes},
+                                 {"compress", c.compress.empty() ? "none" : c.compress},
+                                 {"compressed_stored_bytes", r.compressed_stored_bytes},
+                                 {"compressed_full_bytes", r.compressed_full_bytes},
+                                 {"cache_rebuilt", r.cache_rebuilt},
+                                 {"cache_why", r.cache_why},
+                                 {"dequant_s", static_cast<double>(r.dequant_ns) / 1e9},
                                  {"peak_rss_bytes", peak_rss_bytes()}}
                       .dump()
                       .c_str());

@@ -19,11 +19,12 @@
 #include <sstream>
 
 #include "example_util.h"
-#include "strata/io/crc32c.h"
 #include "strata/base/error.h"
-#include "strata/io/pages.h"
 #include "strata/base/units.h"
+#include "strata/io/crc32c.h"
+#include "strata/io/pages.h"
 #include "strata/optim/adam.h"
+#include "strata/runtime/compressed_cache.h"
 #include "strata/runtime/runtime.h"
 #include "strata/runtime/svg_timeline.h"
 #include "strata/runtime/telemetry.h"
@@ -353,7 +354,33 @@ InferenceResult run_streamed(const InferenceConfig& c) {
   STRATA_EXPECTS(rt.backend().info().host_addressable, "--backend ", c.backend,
                  ": this example's kernels are OpenBLAS on the host backend; the CUDA backend "
                  "would need cuBLAS kernels, which it does not have yet (use --backend host)");
-  const auto ids = safetensors::map_file(rt, c.model, h);
+  auto ids = safetensors::map_file(rt, c.model, h);
+  if (!c.compress.empty()) {  // the weights from the compressed cache, biases full width
+    std::vector<std::string> names;
+    for (const LayerSpec& l : m.layers)
+      names.push_back(l.weight->name);
+    const quant::Scheme scheme{quant::parse_bits(c.compress, "--compress"), c.compress_group};
+    const std::string dir = !c.compress_cache.empty()
+                                ? c.compress_cache
+                                : std::filesystem::path(c.model).parent_path().string();
+    const auto cache = safetensors::open_compressed_cache(
+        c.model, h, names, scheme, dir.empty() ? "." : dir, /*verify=*/true,
+        [&](std::uint64_t done, std::uint64_t total) {
+          if (!c.quiet || done == total)
+            std::fprintf(stderr, "\rstream_inference: compressing %s to %s: %3.0f%%%s",
+                         c.model.c_str(), c.compress.c_str(),
+                         100.0 * static_cast<double>(done) / static_cast<double>(total),
+                         done == total ? "\n" : "");
+        });
+    for (const auto& [name, id] : safetensors::map_compressed(rt, cache)) {
+      rt.destroy_tensor(ids.at(name));
+      ids[name] = id;
+    }
+    r.cache_rebuilt = cache.rebuilt;
+    r.cache_why = cache.why;
+    r.compressed_stored_bytes = cache.stored_bytes;
+    r.compressed_full_bytes = cache.full_bytes;
+  }
   std::vector<TensorId> w, b;
   for (const LayerSpec& l : m.layers) {
     w.push_back(ids.at(l.weight->name));
@@ -504,6 +531,7 @@ InferenceResult run_streamed(const InferenceConfig& c) {
   r.gbps_nvme_read = total > 0 ? static_cast<double>(r.bytes_nvme_read) / total / 1e9 : 0;
   r.samples_per_s = r.step_s > 0 ? c.batch / r.step_s : 0;
   r.peak_device_bytes = be.device_stats().peak_bytes;
+  r.dequant_ns = rt.tier_stats(Tier::Device).dequant_ns;
   if (!c.trace.empty()) rt.telemetry().write_chrome_trace(c.trace);
   if (!c.svg.empty())
     write_svg_timeline(c.svg, rt, rt.telemetry(),

@@ -62,6 +62,11 @@ struct InferenceConfig {
   std::string trace;  ///< Chrome trace of the last pass
   std::string svg;    ///< SVG timeline of the last pass
   bool quiet = true;
+  /// "" (full width), "int8" or "int4": the layers' weights compressed on the host and NVMe
+  /// tiers, dequantized into their device copies (Note [Compressed copies]); biases stay full.
+  std::string compress;
+  std::uint32_t compress_group = 64;
+  std::string compress_cache;  ///< the compressed cache's directory ("": the model's)
 };
 
 struct InferenceResult {
@@ -84,7 +89,13 @@ struct InferenceResult {
   /// slow pass next to a large steal is the machine, not the pipeline.
   double cpu_steal_s = 0;
   std::uint64_t peak_device_bytes = 0;
-  bool passes_agree = true;  ///< every pass that computed (timed or compute-only) gave one output
+  bool passes_agree = true;
+  /// With --compress: the cache (built this run, and why) and the weights' stored and full bytes.
+  bool cache_rebuilt = false;
+  std::string cache_why;
+  std::uint64_t compressed_stored_bytes = 0, compressed_full_bytes = 0;
+  std::uint64_t dequant_ns = 0;  ///< the device tier's dequantization time, whole run  ///< every
+                                 ///< pass that computed (timed or compute-only) gave one output
 };
 
 /// Streams the model through the runtime's pipeline.

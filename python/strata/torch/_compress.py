@@ -20,7 +20,6 @@ CRC32C is checked when the cache is opened, so a corrupt cache is rebuilt too.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
@@ -56,8 +55,12 @@ class CacheReport:
 
 
 def cache_path(source: Path, cache_dir: Path, compress: str, group: int) -> Path:
-    digest = hashlib.sha1(str(source.resolve()).encode()).hexdigest()[:12]
-    return cache_dir / f"{source.stem}-{digest}.{compress}-g{group}.safetensors"
+    """<stem>-<CRC32C of the absolute path, hex>.<compress>-g<group>.safetensors: the name the
+    C++ side (strata/runtime/compressed_cache.h, stream_inference --compress) uses too."""
+    import numpy as np
+
+    where = np.frombuffer(bytearray(str(source.resolve()).encode()), dtype=np.uint8)
+    return cache_dir / f"{source.stem}-{_quant.crc32c(where):08x}.{compress}-g{group}.safetensors"
 
 
 def _key(source: Path, compress: str, group: int) -> dict[str, Any]:
