@@ -18,6 +18,16 @@ else()
   else()
     find_package(CUDAToolkit QUIET)
   endif()
+  if(CUDAToolkit_FOUND AND NOT EXISTS "${CUDAToolkit_NVCC_EXECUTABLE}")
+    # The backend's dequantization kernel needs nvcc: a toolkit without it (runtime only)
+    # builds the host backend only.
+    if(_strata_cuda STREQUAL "ON")
+      message(FATAL_ERROR "strata: -DSTRATA_CUDA=ON needs nvcc; the toolkit at "
+                          "${CUDAToolkit_BIN_DIR} has none")
+    endif()
+    message(STATUS "strata: CUDA toolkit without nvcc; building the host backend only")
+    set(CUDAToolkit_FOUND OFF)
+  endif()
   if(CUDAToolkit_FOUND)
     set(STRATA_HAVE_CUDA ON)
     # The dequantization kernel (runtime/src/backends/cuda_dequant.cu): nvcc from the same

@@ -32,7 +32,9 @@ DType from_public(const std::string& s) {
   if (s == "float32") return DType::F32;
   if (s == "bfloat16") return DType::BF16;
   if (s == "float16") return DType::F16;
-  STRATA_FAIL(Errc::corrupt_data, "compressed cache: dtype \"", s, "\"");
+  const DType d = parse_dtype(s, "compressed cache dtype");  // "F32", "bf16", ...
+  STRATA_EXPECTS(quant::compressible(d), "compressed cache: dtype \"", s, "\"");
+  return d;
 }
 
 std::string hex32(std::uint32_t v) {
@@ -84,8 +86,10 @@ std::string why_stale(const std::string& path, const nlohmann::json& key,
     for (const auto& [k, v] : key.items())
       if (!meta.contains(k) || meta[k] != v) return k + " changed";
     std::vector<std::string> have;
-    for (const auto& [n, _] : meta["tensors"].items())
+    for (const auto& [n, info] : meta.at("tensors").items()) {
       have.push_back(n);
+      (void)from_public(info.at("dtype").get<std::string>());  // readable, or stale
+    }
     std::vector<std::string> want = names;
     std::sort(have.begin(), have.end());
     std::sort(want.begin(), want.end());
@@ -93,11 +97,11 @@ std::string why_stale(const std::string& path, const nlohmann::json& key,
     if (verify) {
       Fd f(path);
       std::vector<char> blob;
-      for (const auto& [n, info] : meta["tensors"].items()) {
-        const std::uint64_t bytes = info["stored_bytes"];
+      for (const auto& [n, info] : meta.at("tensors").items()) {
+        const std::uint64_t bytes = info.at("stored_bytes");
         blob.resize(bytes);
         read_at(f.fd, path, h.at(n).offset, blob.data(), bytes);
-        if (hex32(crc32c(blob.data(), bytes)) != info["crc32c"].get<std::string>())
+        if (hex32(crc32c(blob.data(), bytes)) != info.at("crc32c").get<std::string>())
           return "tensor '" + n + "' fails its CRC32C (a corrupt cache)";
       }
     }
@@ -181,8 +185,8 @@ CompressedCache open_compressed_cache(
   }
   c.header = read_header(c.path);
   const auto meta = nlohmann::json::parse(c.header.metadata.at("strata"));
-  for (const auto& [n, info] : meta["tensors"].items()) {
-    c.stored_bytes += info["stored_bytes"].get<std::uint64_t>();
+  for (const auto& [n, info] : meta.at("tensors").items()) {
+    c.stored_bytes += info.at("stored_bytes").get<std::uint64_t>();
     c.full_bytes += header.at(n).bytes();
   }
   return c;
@@ -191,15 +195,15 @@ CompressedCache open_compressed_cache(
 std::unordered_map<std::string, TensorId> map_compressed(Runtime& runtime,
                                                          const CompressedCache& cache) {
   const auto meta = nlohmann::json::parse(cache.header.metadata.at("strata"));
-  const Codec codec = meta["compress"] == "int4" ? Codec::Int4 : Codec::Int8;
-  const std::uint32_t group = meta["group"];
+  const Codec codec = meta.at("compress") == "int4" ? Codec::Int4 : Codec::Int8;
+  const std::uint32_t group = meta.at("group");
   std::unordered_map<std::string, TensorId> ids;
   try {
-    for (const auto& [n, info] : meta["tensors"].items()) {
+    for (const auto& [n, info] : meta.at("tensors").items()) {
       TensorDesc d;
       d.name = n;
-      d.dtype = from_public(info["dtype"]);
-      d.shape = info["shape"].get<std::vector<std::int64_t>>();
+      d.dtype = from_public(info.at("dtype").get<std::string>());
+      d.shape = info.at("shape").get<std::vector<std::int64_t>>();
       d.kind = TensorKind::Param;
       d.compression = {codec, group};
       ids.emplace(n, runtime.map_tensor(d, cache.path, cache.header.at(n).offset));

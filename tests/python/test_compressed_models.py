@@ -239,3 +239,58 @@ def test_a_tensor_that_cannot_be_compressed_is_refused_naming_it(tmp_path):
         )
     assert sorted(t.name for t in (m.tensor for m in tensors.values())) == ["ids", "w"]
     assert not list((tmp_path / "cache").glob("*.safetensors"))  # nothing half-written
+
+
+def test_a_cache_built_by_python_is_reused_by_the_cpp_example(tmp_path):
+    """Python's cache and strata/runtime/compressed_cache.h's are one format and one name: the
+    C++ stream_inference reuses what load_model's machinery built."""
+    from strata.torch._checkpoint import map_checkpoint
+    from strata.torch._compress import compress_checkpoint
+
+    build = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(strata.__file__))))
+    exe = os.path.join(build, "examples", "stream_inference")
+    if not os.path.isfile(exe):
+        pytest.skip(f"no stream_inference beside this strata ({exe}): an installed package")
+    model = tmp_path / "m.safetensors"
+    subprocess.run([exe, "--generate", str(model), "--layers", "3", "--hidden", "128"], check=True)
+    rt = strata.Runtime(
+        {
+            "backend": "host",
+            "device_budget": "1MiB",
+            "host_budget": "4MiB",
+            "nvme": {"paths": [str(tmp_path)], "capacity": "16MiB"},
+            "quiet": True,
+        }
+    )
+    tensors = map_checkpoint(rt, [model])
+    _, report = compress_checkpoint(
+        rt,
+        tensors,
+        lambda n, s, d: n.endswith(".weight"),
+        compress="int8",
+        group=64,
+        cache_dir=tmp_path / "cache",
+        progress=False,
+    )
+    assert report.rebuilt and report.compressed_tensors == 3
+    out = subprocess.run(
+        [
+            exe,
+            "--model",
+            str(model),
+            "--json",
+            "--passes",
+            "1",
+            "--no-measure",
+            "--compress",
+            "int8",
+            "--compress-cache",
+            str(tmp_path / "cache"),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    result = json.loads(out.stdout)
+    assert result["cache_rebuilt"] is False, result["cache_why"]
+    assert result["compressed_stored_bytes"] == report.stored_bytes

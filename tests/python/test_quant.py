@@ -34,8 +34,9 @@ def f16_ceil(x: float) -> np.float16:
     return h
 
 
-def reference(values: np.ndarray, bits: str, group: int):
-    """(packed bytes, codes, m, s) of `values` (float64, rows x cols), element by element."""
+def reference(values: np.ndarray, bits: str, group: int, f16_out: bool = False):
+    """(packed bytes, codes, m, s) of `values` (float64, rows x cols), element by element;
+    `f16_out`: the tensor is float16 (its values come back as float16)."""
     rows, cols = values.shape
     groups = -(-cols // group)
     code_bytes = cols if bits == "int8" else (cols + 1) // 2
@@ -58,6 +59,12 @@ def reference(values: np.ndarray, bits: str, group: int):
                     if s == 0
                     else int(min(max(np.rint((x - float(m)) / float(s)), 0), LEVELS[bits]))
                 )
+                while (
+                    f16_out
+                    and q > 0
+                    and np.isinf(np.float16(np.float32(q) * np.float32(s) + np.float32(m)))
+                ):
+                    q -= 1  # a float16 tensor's value past 65504 takes the code below
                 codes[r, c] = q
                 m_all[r, c], s_all[r, c] = m, s
                 if bits == "int8":
@@ -83,7 +90,7 @@ def source(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tenso
 def test_quantize_and_dequantize_equal_the_reference(bits, dtype, shape, group):
     x = source(dtype, shape, seed=len(shape) * 1000 + shape[-1])
     values = x.to(torch.float64).numpy().reshape(-1, shape[-1])
-    expected, codes, m, s = reference(values, bits, group)
+    expected, codes, m, s = reference(values, bits, group, dtype == torch.float16)
     packed = quant.quantize(x, bits, group, name="w")
     assert packed.tobytes() == expected.tobytes()
     # Dequantization: float(q) * s + m in fp32 (no FMA), rounded to the dtype (nearest even).
@@ -134,3 +141,16 @@ def test_bad_input_is_refused_naming_it():
     packed = quant.quantize(np.ones(8, np.float32), "int8", 4)
     with pytest.raises(strata.InvalidArgumentError, match="the shape needs"):
         quant.dequantize(packed, (9,), "int8", 4)
+
+
+def test_a_float16_group_at_the_limit_of_float16_comes_back_finite():
+    x = torch.tensor([[-65504.0, 0.0, 1.0, 65504.0]], dtype=torch.float16)
+    for bits in ("int8", "int4"):
+        values = x.to(torch.float64).numpy()
+        expected, _, _, s = reference(values, bits, 4, f16_out=True)
+        packed = quant.quantize(x, bits, 4)
+        assert packed.tobytes() == expected.tobytes()
+        out = torch.empty_like(x)
+        quant.dequantize(packed, tuple(x.shape), bits, 4, out=out)
+        assert torch.isfinite(out).all(), out
+        assert out[0, 3].item() >= 65504 - float(s[0, 3]), out

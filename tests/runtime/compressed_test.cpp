@@ -14,6 +14,7 @@
 
 #include "runtime/runtime_fixture.h"
 #include "strata/base/error.h"
+#include "strata/base/half.h"
 #include "strata/quant/group_quant.h"
 #include "strata/runtime/runtime.h"
 #include "strata/runtime/telemetry.h"
@@ -148,6 +149,44 @@ TEST_F(CompressedTest, DeviceCopiesAreDroppedNotWrittenBackUnderPressure) {
   EXPECT_GE(rt->tier_stats(Tier::Device).evictions, 5u);
   EXPECT_EQ(rt->tier_stats(Tier::Device).write_backs, 0u);
   EXPECT_EQ(rt->tier_stats(Tier::Device).dequantizations, 6u);
+}
+
+TEST_F(CompressedTest, RowsSoShortThatTheStoredBytesOutnumberTheFullWidthStillWork) {
+  // A [300, 1] bf16 weight (nn.Linear(1, 300)): 8 stored bytes a row (min, step, a code, padding)
+  // against 2 at full width. Its device copy must still be dequantized from all of them.
+  auto rt = make();
+  TensorDesc d;
+  d.name = "w1";
+  d.dtype = DType::BF16;
+  d.shape = {300, 1};
+  d.compression = {Codec::Int8, 64};
+  std::vector<std::uint16_t> v(300);
+  for (std::size_t i = 0; i < v.size(); ++i)
+    v[i] = float_to_bf16(0.01f * static_cast<float>(i));
+  const TensorId t = rt->create_tensor(d, Tier::Nvme, v.data());
+  Lease lease = rt->acquire(t, Tier::Device, Access::Read).get();
+  lease.wait();
+  EXPECT_EQ(lease.bytes(), 600u);
+  const auto* got = lease.as<const std::uint16_t>();
+  // One element a group: m is the largest fp16 <= it, the step covers nothing: within fp16.
+  for (std::size_t i = 0; i < v.size(); ++i)
+    ASSERT_NEAR(bf16_to_float(got[i]), bf16_to_float(v[i]), 0.004) << i;
+  EXPECT_EQ(rt->transfer_stats().bytes_host_to_device, 300u * 8u);
+}
+
+TEST_F(CompressedTest, ItsDeviceCopyIsNeverASourceForTheHost) {
+  // Device copy there, host copy dropped: a host prefetch reads NVMe again (a device copy is
+  // full width, never the stored bytes), instead of an internal error.
+  auto rt = make();
+  const auto v = values(9);
+  const TensorId t = rt->create_tensor(weight("w", Codec::Int8), Tier::Nvme, v.data());
+  EXPECT_EQ(device_values(*rt, t), expected(v, Codec::Int8));
+  rt->evict(t, Tier::Host);
+  rt->prefetch(t, Tier::Host);
+  rt->synchronize();
+  EXPECT_TRUE(rt->resident(t, Tier::Host));
+  EXPECT_EQ(rt->transfer_stats().bytes_device_to_host, 0u);
+  EXPECT_FALSE(rt->stage(t, Tier::Device));  // already there
 }
 
 TEST_F(CompressedTest, AFailedNvmeReadSurfacesAndTheTensorSurvives) {

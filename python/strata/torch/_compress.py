@@ -92,29 +92,41 @@ def _why_stale(path: Path, key: dict[str, Any], names: list[str], verify: bool) 
     try:
         header, start = _read_header(path)
         meta = json.loads(header["__metadata__"]["strata"])
-    except (OSError, ValueError, KeyError, struct.error) as e:
-        return f"unreadable ({e})"
-    for k, v in key.items():
-        if meta.get(k) != v:
-            return f"{k} changed ({meta.get(k)!r} -> {v!r})"
-    if sorted(meta.get("tensors", {})) != sorted(names):
-        return "another selection of tensors"
-    if verify:
-        import numpy as np
+        for k, v in key.items():
+            if meta.get(k) != v:
+                return f"{k} changed ({meta.get(k)!r} -> {v!r})"
+        if sorted(meta.get("tensors", {})) != sorted(names):
+            return "another selection of tensors"
+        if verify:
+            return _why_corrupt(path, header, start, meta)
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
+        return f"unreadable ({type(e).__name__}: {e})"
+    return None
 
-        with open(path, "rb") as f:
-            for name, info in meta["tensors"].items():
-                a, _ = header[name]["data_offsets"]
-                f.seek(start + a)
-                blob = np.fromfile(f, dtype=np.uint8, count=info["stored_bytes"])
-                crc = f"{_quant.crc32c(blob):08x}"
-                if len(blob) != info["stored_bytes"] or crc != info["crc32c"]:
-                    return f"tensor {name!r} fails its CRC32C (a corrupt cache)"
+
+def _why_corrupt(path: Path, header: dict, start: int, meta: dict) -> str | None:
+    """Which blob fails its CRC32C, if one does."""
+    import numpy as np
+
+    with open(path, "rb") as f:
+        for name, info in meta["tensors"].items():
+            a, _ = header[name]["data_offsets"]
+            f.seek(start + a)
+            blob = np.fromfile(f, dtype=np.uint8, count=info["stored_bytes"])
+            crc = f"{_quant.crc32c(blob):08x}"
+            if len(blob) != info["stored_bytes"] or crc != info["crc32c"]:
+                return f"tensor {name!r} fails its CRC32C (a corrupt cache)"
     return None
 
 
 def _write(
-    path: Path, source: Path, key: dict[str, Any], names: list[str], group: int, progress: bool
+    path: Path,
+    source: Path,
+    key: dict[str, Any],
+    names: list[str],
+    dtypes: dict[str, str],
+    group: int,
+    progress: bool,
 ) -> None:
     """Quantizes `names` of `source` into a new cache at `path` (a temporary file renamed over
     it). Holds one tensor at a time."""
@@ -123,7 +135,6 @@ def _write(
     compress = key["compress"]
     with safe_open(str(source), framework="pt") as f:
         shapes = {n: tuple(f.get_slice(n).get_shape()) for n in names}
-        dtypes = {n: str(f.get_slice(n).get_dtype()) for n in names}
     layout = {n: quant.layout(shapes[n], compress, group) for n in names}
     padded = {n: -(-layout[n]["bytes"] // PAGE) * PAGE for n in names}
     entries: dict[str, Any] = {}
@@ -134,7 +145,7 @@ def _write(
     meta = dict(key)
     meta["tensors"] = {
         n: {
-            "dtype": _DTYPES.get(dtypes[n], dtypes[n]),
+            "dtype": dtypes[n],  # "float32", "bfloat16" or "float16", as C++ writes them
             "shape": list(shapes[n]),
             "stored_bytes": layout[n]["bytes"],
             "crc32c": "00000000",  # hex, fixed width: the header keeps its length
@@ -173,9 +184,6 @@ def _write(
             tmp.unlink()
         if progress:
             bar(None)
-
-
-_DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 
 
 def _progress(total: int, desc: str) -> Callable[[int | None], None]:
@@ -239,7 +247,8 @@ def compress_checkpoint(
             if why is None:
                 report.reused.append(str(path))
             else:
-                _write(path, source, key, names, group, progress)
+                dtypes = {n: tensors[n].tensor.dtype for n in names}
+                _write(path, source, key, names, dtypes, group, progress)
                 report.rebuilt.append((str(path), why))
             header, start = _read_header(path)
             meta = json.loads(header["__metadata__"]["strata"])

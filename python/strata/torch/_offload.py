@@ -252,19 +252,25 @@ def _selector(module: nn.Module, tensors: Mapping[str, MappedTensor], rule: Rule
     those `rule` picks; by default the 2-D weights of linear layers (nn.Linear, transformers'
     Conv1D) that no embedding shares (a tied lm_head stays full width with its embedding)."""
     prefix = getattr(module, "base_model_prefix", "") or ""
-    linear: dict[str, bool] = {}  # checkpoint name -> every use is a linear layer's weight
+    # Per parameter object (tied ones are one): every name it goes by, and whether every use is
+    # a linear layer's 2-D weight.
+    names_of: dict[int, list[str]] = {}
+    linear_use: dict[int, bool] = {}
     for mod_name, mod in module.named_modules(remove_duplicate=False):
         for attr, p in mod.named_parameters(recurse=False, remove_duplicate=False):
-            mapped = _resolve([_join(mod_name, attr)], tensors, prefix)
-            if mapped is None:
-                continue
+            names_of.setdefault(id(p), []).append(_join(mod_name, attr))
             is_linear = (
                 attr == "weight"
                 and p.dim() == 2
                 and (isinstance(mod, nn.Linear) or type(mod).__name__ == "Conv1D")
             )
+            linear_use[id(p)] = linear_use.get(id(p), True) and is_linear
+    linear: dict[str, bool] = {}  # checkpoint name -> compress by default
+    for pid, names in names_of.items():
+        mapped = _resolve(names, tensors, prefix)
+        if mapped is not None:
             name = mapped.tensor.name
-            linear[name] = linear.get(name, True) and is_linear
+            linear[name] = linear.get(name, True) and linear_use[pid]
 
     def select(name: str, shape: tuple[int, ...], dtype: str) -> bool:
         if name not in linear:

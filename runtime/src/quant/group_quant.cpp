@@ -157,6 +157,12 @@ void quantize(const Scheme& scheme, const Layout& l, DType dtype, const void* sr
         if (s > 0.0)
           q = std::clamp(std::nearbyint((static_cast<double>(load(dtype, src, base + i)) - m) / s),
                          0.0, levels);
+        // An f16 tensor's values come back as f16: a code whose value rounds past 65504 (a
+        // group reaching fp16's limit, its step rounded up) takes the one below.
+        if (dtype == DType::F16)
+          while (q > 0.0 && float_to_f16(static_cast<float>(q) * static_cast<float>(s) +
+                                         static_cast<float>(m)) == 0x7C00u)
+            q -= 1.0;
         const auto code = static_cast<std::uint8_t>(q);
         const std::uint64_t c = lo_col + i;
         if (int4)

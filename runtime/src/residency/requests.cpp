@@ -62,7 +62,7 @@ bool Runtime::Impl::discard(std::unique_lock<std::mutex>& lock, TensorState& t, 
 // (stream_inference-like loops under the prefetch pipeline hung about one run in two).
 void Runtime::Impl::ensure(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier,
                            bool count, Access access, bool prefetch, bool lease) {
-  bool host_tried = false;  // Note [Compressed copies]
+  int host_loads = 0;  // Note [Compressed copies]
   const auto take = [&](Copy& c) {
     if (!lease) return;
     ++c.leases;  // no eviction now
@@ -126,9 +126,16 @@ void Runtime::Impl::ensure(std::unique_lock<std::mutex>& lock, TensorState& t, T
       // Note [Compressed copies]: a compressed tensor reaches the device from its host copy
       // (dequantized on the way); from NVMe it lands on the host first. A failed host load
       // ends here, with its error.
+      // Its host copy is clean, so other threads' room-making may drop it before this one
+      // wakes: a few retries, then an error rather than loads that evict each other forever.
       if (t.compressed() && !t.current(Tier::Host)) {
-        if (host_tried && h.error) std::rethrow_exception(h.error);
-        host_tried = true;
+        if (host_loads > 0 && h.error) std::rethrow_exception(h.error);
+        if (host_loads == 4)
+          STRATA_FAIL(Errc::out_of_memory, "tensor \"", t.desc.name,
+                      "\": its compressed host copy was dropped 4 times before it reached the "
+                      "device (the host tier is too small for the compressed tensors loaded at "
+                      "once): raise the host budget");
+        ++host_loads;
         ensure(lock, t, Tier::Host, false, Access::Read, prefetch, /*lease=*/false);
         continue;
       }

@@ -138,10 +138,12 @@ Tier Runtime::Impl::source_for(const TensorState& t, Tier dst) const {
       {Tier::Device, Tier::Nvme},  // to Host
       {Tier::Host, Tier::Device},  // to Nvme
   }};
+  // Note [Compressed copies]: a compressed tensor's device copy is never a source.
+  const auto usable = [&](Tier s) { return !(t.compressed() && s == Tier::Device); };
   for (Tier s : kOrder[idx(dst)])
-    if (t.current(s) && t.copies[idx(s)].state == CopyState::Valid) return s;
+    if (usable(s) && t.current(s) && t.copies[idx(s)].state == CopyState::Valid) return s;
   for (Tier s : kOrder[idx(dst)])
-    if (t.current(s)) return s;
+    if (usable(s) && t.current(s)) return s;
   STRATA_FAIL(Errc::internal, "tensor \"", t.desc.name, "\" has no current copy");
 }
 

@@ -64,7 +64,13 @@ void Runtime::Impl::copy_on_stream(TensorState& t, Tier dst, Tier src, std::uint
     const Stream::DequantJob job{
         t.desc.compression.codec == Codec::Int4 ? quant::Bits::Int4 : quant::Bits::Int8, t.layout,
         t.desc.dtype};
-    stream.dequantize_async(d.ptr, s.ptr, bytes, job);
+    try {
+      stream.dequantize_async(d.ptr, s.ptr, bytes, job);
+    } catch (...) {  // refused at once (no scratch on CUDA): the move ends, failed
+      const std::exception_ptr e = std::current_exception();
+      io_after_unlock_.push_back([=, this] { finish_move(*tp, dst, src, e, version); });
+      return;
+    }
     stream.record(*event);
     d.event = event;
     d.ready = true;

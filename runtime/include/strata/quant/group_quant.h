@@ -19,7 +19,8 @@ namespace strata::quant {
 // of one). Each row is cut into groups of `group` elements; the last group of a row is shorter
 // when `group` does not divide K. A group keeps m (fp16, the largest fp16 <= its smallest value)
 // and s (fp16, the smallest fp16 >= (its largest value - m) / L), L = 2^bits - 1, and a code per
-// element, q = clamp(rint((x - m) / s), 0, L) computed in double (0 when s is 0). So, in exact
+// element, q = clamp(rint((x - m) / s), 0, L) computed in double (0 when s is 0; for an f16
+// tensor, one less while float(q) * s + m would round to f16's infinity). So, in exact
 // arithmetic, |q s + m - x| <= s / 2: half the group's own step. Dequantization computes
 // float(q) * s + m in fp32 (a multiply, then an add: no FMA, so every variant rounds alike) and
 // rounds to the output dtype (nearest even); the bound then grows by those roundings.
