@@ -172,10 +172,12 @@ rm -rf "$logs/overlap-small"
 timeout 60 "$bench" adam --json >"$logs/adam.json" 2>&1 && note "adam (cpu): $(cut -c1-300 "$logs/adam.json")"
 
 # Hugging Face on the GPU: strata.torch (device="cuda") against accelerate, same checkpoint and
-# budget (a third of the model), one round.
-if PYTHONPATH=build-gpu/python timeout 240 $py bench/hf-vs-accelerate.py --device cuda \
-  --dir /tmp/strata-hf --rounds 1 --layers 8 >"$logs/hf-cuda.json" 2>"$logs/hf-cuda.err"; then
-  note "hf (cuda): $(jq_py '"speedup %s; roofline %s; strata same logits %s tokens %s; accelerate same logits %s" % (d["speedup_strata_over_accelerate"], {k: v["roofline"] for k, v in d["strata_roofline"].items()}, d["strata"]["same_logits_as_reference"], d["strata"]["same_tokens_as_reference"], d["accelerate"]["same_logits_as_reference"])' "$logs/hf-cuda.json")"
+# budget (a third of the model), one round; and strata with int8 compressed offload (the CUDA
+# dequantization kernel), its bytes read and times against full width.
+if PYTHONPATH=build-gpu/python timeout 300 $py bench/hf-vs-accelerate.py --device cuda \
+  --dir /tmp/strata-hf --rounds 1 --layers 8 --compress int8 >"$logs/hf-cuda.json" \
+  2>"$logs/hf-cuda.err"; then
+  note "hf (cuda): $(jq_py '"speedup %s; roofline %s; strata same logits %s tokens %s; accelerate same logits %s; int8 vs full %s" % (d["speedup_strata_over_accelerate"], {k: v["roofline"] for k, v in d["strata_roofline"].items()}, d["strata"]["same_logits_as_reference"], d["strata"]["same_tokens_as_reference"], d["accelerate"]["same_logits_as_reference"], d["strata_int8_vs_full"])' "$logs/hf-cuda.json")"
 else
   note "hf (cuda): FAILED ($(tail -3 "$logs/hf-cuda.err" | tr '\n' ' ' | cut -c1-500))"
   rc=1
