@@ -23,8 +23,8 @@
 
 #include "strata/base/error.h"
 #include "strata/base/units.h"
-#include "strata/optim/adam.h"
 #include "strata/io/crc32c.h"
+#include "strata/optim/adam.h"
 #include "strata/quant/group_quant.h"
 #include "strata/runtime/runtime.h"
 #include "strata/runtime/safetensors.h"
@@ -236,8 +236,7 @@ strata::PrefetchMode parse_mode(const std::string& mode) {
 // "none", "int8" or "int4" and a group size: a descriptor's compression (Note [Compressed copies]).
 strata::Compression compression(const std::string& codec, std::uint32_t group) {
   if (codec == "none") return {strata::Codec::None, group};
-  const auto bits = strata::quant::parse_bits(codec, "compress");
-  return {bits == strata::quant::Bits::Int4 ? strata::Codec::Int4 : strata::Codec::Int8, group};
+  return {strata::quant::codec_of(strata::quant::parse_bits(codec, "compress")), group};
 }
 
 // Adam's arrays: C-contiguous CPU arrays of any dtype, checked here by name.

@@ -1,5 +1,6 @@
 // The compressed cache of a safetensors file (strata/runtime/compressed_cache.h): its key, its
-// checks, its writing (two passes: the CRC32Cs first, as the header carries them) and its mapping
+// checks, its writing (one pass: the header is written again with the CRC32Cs at the end) and
+// its mapping
 // into a Runtime as compressed tensors. The format is python/strata/torch/_compress.py's.
 #include "strata/runtime/compressed_cache.h"
 
@@ -134,13 +135,13 @@ CompressedCache open_compressed_cache(
   if (!c.why.empty()) {
     c.rebuilt = true;
     std::filesystem::create_directories(cache_dir);
-    // The layouts, and the CRCs in a first pass (the header carries them).
+    // The layouts first, the CRCs as "00000000" (fixed width): the header is written again with
+    // them at the end (Writer::finish(metadata)), so each tensor is read and quantized once.
     Fd src(source);
     nlohmann::json meta = key;
     meta["tensors"] = nlohmann::json::object();
     std::vector<TensorSpec> specs;
     std::vector<quant::Layout> layouts;
-    std::vector<std::byte> in, packed;
     std::uint64_t total = 0;
     for (const std::string& n : names) {
       const TensorInfo& t = header.at(n);
@@ -151,18 +152,15 @@ CompressedCache open_compressed_cache(
       const std::uint64_t padded = (layouts.back().bytes + kPage - 1) / kPage * kPage;
       total += padded;
       specs.push_back({n, DType::U8, {static_cast<std::int64_t>(padded)}});
-      in.resize(t.bytes());
-      read_at(src.fd, source, t.offset, in.data(), t.bytes());
-      packed.assign(padded, std::byte{0});
-      quant::quantize(scheme, layouts.back(), t.dtype, in.data(), packed.data(), n);
       meta["tensors"][n] = {{"dtype", public_name(t.dtype)},
                             {"shape", t.shape},
                             {"stored_bytes", layouts.back().bytes},
-                            {"crc32c", hex32(crc32c(packed.data(), layouts.back().bytes))}};
+                            {"crc32c", hex32(0)}};
     }
     const std::string tmp = c.path + ".tmp" + std::to_string(::getpid());
     try {
       Writer w(tmp, specs, {{"strata", meta.dump()}}, kPage);
+      std::vector<std::byte> in, packed;
       std::uint64_t done = 0;
       for (std::size_t i = 0; i < names.size(); ++i) {
         const TensorInfo& t = header.at(names[i]);
@@ -171,11 +169,12 @@ CompressedCache open_compressed_cache(
         const std::uint64_t padded = static_cast<std::uint64_t>(specs[i].shape[0]);
         packed.assign(padded, std::byte{0});
         quant::quantize(scheme, layouts[i], t.dtype, in.data(), packed.data(), names[i]);
+        meta["tensors"][names[i]]["crc32c"] = hex32(crc32c(packed.data(), layouts[i].bytes));
         w.write(packed.data(), padded);
         done += padded;
         if (progress) progress(done, total);
       }
-      w.finish();
+      w.finish({{"strata", meta.dump()}});
       std::filesystem::rename(tmp, c.path);
     } catch (...) {
       std::error_code ignored;
@@ -195,7 +194,8 @@ CompressedCache open_compressed_cache(
 std::unordered_map<std::string, TensorId> map_compressed(Runtime& runtime,
                                                          const CompressedCache& cache) {
   const auto meta = nlohmann::json::parse(cache.header.metadata.at("strata"));
-  const Codec codec = meta.at("compress") == "int4" ? Codec::Int4 : Codec::Int8;
+  const Codec codec =
+      quant::codec_of(quant::parse_bits(meta.at("compress").get<std::string>(), "compress"));
   const std::uint32_t group = meta.at("group");
   std::unordered_map<std::string, TensorId> ids;
   try {

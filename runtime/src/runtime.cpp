@@ -94,16 +94,8 @@ void set_storage(TensorState& t) {
                  "); only f32, bf16 and f16 can");
   STRATA_EXPECTS(!d.shape.empty(), "tensor \"", d.name,
                  "\": a compressed tensor needs its shape (groups run along the last dimension)");
-  const quant::Scheme scheme{
-      d.compression.codec == Codec::Int4 ? quant::Bits::Int4 : quant::Bits::Int8,
-      d.compression.group};
-  t.layout = quant::layout(scheme, std::span<const std::int64_t>(d.shape));
+  t.layout = quant::layout(quant::scheme_of(d.compression), std::span<const std::int64_t>(d.shape));
   t.stored = t.layout.bytes;
-}
-
-quant::Scheme scheme_of(const TensorState& t) {
-  return {t.desc.compression.codec == Codec::Int4 ? quant::Bits::Int4 : quant::Bits::Int8,
-          t.desc.compression.group};
 }
 
 [[noreturn]] void refuse_compressed(const TensorState& t, std::string_view what) {
@@ -137,7 +129,8 @@ TensorId Runtime::create_tensor(const TensorDesc& desc, Tier home, const void* i
     PageBuffer packed;
     if (t.compressed() && init != nullptr) {  // quantized once, here
       packed = PageBuffer(bytes);
-      quant::quantize(scheme_of(t), t.layout, t.desc.dtype, init, packed.data(), t.desc.name);
+      quant::quantize(quant::scheme_of(t.desc.compression), t.layout, t.desc.dtype, init,
+                      packed.data(), t.desc.name);
       init = packed.data();
     }  // zeros quantize to zeros: min 0, step 0, codes 0
     if (home == Tier::Nvme) {
@@ -318,16 +311,18 @@ void Runtime::read(TensorId id, void* dst, std::size_t bytes) {
   try {
     if (src == Tier::Device) {
       rt.backend->copy(dst, c.ptr, bytes, CopyKind::DeviceToHost);
-    } else if (t.compressed()) {  // the stored bytes, dequantized here, then the bytes asked
-      PageBuffer packed(t.stored);
-      if (src == Tier::Host)
-        std::memcpy(packed.data(), c.ptr, t.stored);
-      else
+    } else if (t.compressed()) {  // the stored bytes (the host copy, pinned), dequantized here
+      PageBuffer packed;
+      const std::byte* from = c.ptr;
+      if (src == Tier::Nvme) {
+        packed = PageBuffer(t.stored);
         rt.swap->read(c.extent, 0, packed.data(), t.stored).get();
-      std::vector<std::byte> full(t.desc.bytes);
-      quant::dequantize(scheme_of(t).bits, t.layout, packed.data(), t.desc.dtype, full.data(), 0,
-                        t.layout.rows);
-      std::memcpy(dst, full.data(), bytes);
+        from = packed.data();
+      }
+      std::vector<std::byte> part(bytes < t.desc.bytes ? t.desc.bytes : 0);  // a prefix asked
+      quant::dequantize(quant::bits_of(t.desc.compression.codec), t.layout, from, t.desc.dtype,
+                        part.empty() ? dst : part.data(), 0, t.layout.rows);
+      if (!part.empty()) std::memcpy(dst, part.data(), bytes);
     } else if (src == Tier::Host) {
       std::memcpy(dst, c.ptr, bytes);
     } else {

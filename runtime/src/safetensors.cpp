@@ -320,9 +320,6 @@ Writer::Writer(const std::string& path, std::vector<TensorSpec> tensors,
   STRATA_EXPECTS(data_alignment >= 8 && (data_alignment & (data_alignment - 1)) == 0,
                  "safetensors writer: data alignment ", data_alignment,
                  " is not a power of two of at least 8");
-  json header = json::object();
-  if (!metadata.empty()) header[std::string(kMetadataKey)] = metadata;
-  std::uint64_t offset = 0;
   std::set<std::string> seen;
   for (const TensorSpec& t : tensors) {
     STRATA_EXPECTS(t.name != kMetadataKey && seen.insert(t.name).second,
@@ -332,16 +329,12 @@ Writer::Writer(const std::string& path, std::vector<TensorSpec> tensors,
       STRATA_EXPECTS(d >= 0, "safetensors writer: tensor \"", t.name, "\" has a negative dim");
       bytes *= static_cast<std::uint64_t>(d);
     }
-    header[t.name] = {{"dtype", format_name(t.dtype)},
-                      {"shape", t.shape},
-                      {"data_offsets", {offset, offset + bytes}}};
     names_.push_back(t.name);
     sizes_.push_back(bytes);
-    offset += bytes;
   }
-  std::string text = header.dump();
-  // Spaces after the JSON (the format allows them) so that the data starts aligned.
-  text.append((data_alignment - (8 + text.size()) % data_alignment) % data_alignment, ' ');
+  specs_ = std::move(tensors);
+  alignment_ = data_alignment;
+  const std::string text = header_text(metadata);
   fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd_ < 0) throw IoError(Errc::io_error, path, 0, 0, errno, "create");
   unsigned char length[8];
@@ -352,7 +345,7 @@ Writer::Writer(const std::string& path, std::vector<TensorSpec> tensors,
   }
   write_all(fd_, path_, 0, length, 8);
   write_all(fd_, path_, 8, text.data(), text.size());
-  total_ = 8 + text.size();
+  total_ = data_offset_ = 8 + text.size();
   while (current_ < sizes_.size() && sizes_[current_] == 0)
     ++current_;
 }
@@ -380,6 +373,37 @@ void Writer::write(const void* data, std::size_t bytes) {
         ++current_;
     }
   }
+}
+
+std::string Writer::header_text(const std::map<std::string, std::string>& metadata) const {
+  json header = json::object();
+  if (!metadata.empty()) header[std::string(kMetadataKey)] = metadata;
+  std::uint64_t offset = 0;
+  for (std::size_t i = 0; i < specs_.size(); ++i) {
+    header[specs_[i].name] = {{"dtype", format_name(specs_[i].dtype)},
+                              {"shape", specs_[i].shape},
+                              {"data_offsets", {offset, offset + sizes_[i]}}};
+    offset += sizes_[i];
+  }
+  std::string text = header.dump();
+  // Spaces after the JSON (the format allows them) so that the data starts aligned.
+  text.append((alignment_ - (8 + text.size()) % alignment_) % alignment_, ' ');
+  return text;
+}
+
+void Writer::finish(const std::map<std::string, std::string>& metadata) {
+  const std::string text = header_text(metadata);
+  STRATA_EXPECTS(8 + text.size() == data_offset_, "safetensors writer ", path_,
+                 ": the final metadata makes a header of ", text.size(),
+                 " bytes, the one written has ", data_offset_ - 8);
+  for (std::size_t done = 0; done < text.size();) {  // over the first header, in place
+    const ssize_t n =
+        ::pwrite(fd_, text.data() + done, text.size() - done, static_cast<off_t>(8 + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw IoError(Errc::io_error, path_, 8 + done, text.size() - done, errno, "pwrite");
+    done += static_cast<std::size_t>(n);
+  }
+  finish();
 }
 
 void Writer::finish() {

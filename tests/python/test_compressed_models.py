@@ -211,22 +211,13 @@ def test_a_rule_picks_the_tensors_and_a_tensor_that_cannot_be_compressed_is_name
         _logits(path, tmp_path, compress="int3")
 
 
-def test_a_tensor_that_cannot_be_compressed_is_refused_naming_it(tmp_path):
+def test_a_tensor_that_cannot_be_compressed_is_refused_naming_it(rt, tmp_path):
     from safetensors.torch import save_file
     from strata.torch._checkpoint import map_checkpoint
     from strata.torch._compress import compress_checkpoint
 
     f = tmp_path / "m.safetensors"
     save_file({"w": torch.randn(4, 64), "ids": torch.arange(64, dtype=torch.int32)}, str(f))
-    rt = strata.Runtime(
-        {
-            "backend": "host",
-            "device_budget": "1MiB",
-            "host_budget": "4MiB",
-            "nvme": {"paths": [str(tmp_path)], "capacity": "16MiB"},
-            "quiet": True,
-        }
-    )
     tensors = map_checkpoint(rt, [f])
     with pytest.raises(strata.InvalidArgumentError, match="tensor 'ids' in .* is int32: only"):
         compress_checkpoint(
@@ -241,7 +232,7 @@ def test_a_tensor_that_cannot_be_compressed_is_refused_naming_it(tmp_path):
     assert not list((tmp_path / "cache").glob("*.safetensors"))  # nothing half-written
 
 
-def test_a_cache_built_by_python_is_reused_by_the_cpp_example(tmp_path):
+def test_a_cache_built_by_python_is_reused_by_the_cpp_example(rt, tmp_path):
     """Python's cache and strata/runtime/compressed_cache.h's are one format and one name: the
     C++ stream_inference reuses what load_model's machinery built."""
     from strata.torch._checkpoint import map_checkpoint
@@ -253,15 +244,6 @@ def test_a_cache_built_by_python_is_reused_by_the_cpp_example(tmp_path):
         pytest.skip(f"no stream_inference beside this strata ({exe}): an installed package")
     model = tmp_path / "m.safetensors"
     subprocess.run([exe, "--generate", str(model), "--layers", "3", "--hidden", "128"], check=True)
-    rt = strata.Runtime(
-        {
-            "backend": "host",
-            "device_budget": "1MiB",
-            "host_budget": "4MiB",
-            "nvme": {"paths": [str(tmp_path)], "capacity": "16MiB"},
-            "quiet": True,
-        }
-    )
     tensors = map_checkpoint(rt, [model])
     _, report = compress_checkpoint(
         rt,

@@ -32,7 +32,7 @@ from typing import Any
 from .. import quant
 from .._core import quant as _quant
 from .._errors import InvalidArgumentError
-from .._runtime import Runtime
+from .._runtime import Runtime, Tensor
 from ._checkpoint import MappedTensor
 
 FORMAT = 1
@@ -123,18 +123,17 @@ def _write(
     path: Path,
     source: Path,
     key: dict[str, Any],
-    names: list[str],
-    dtypes: dict[str, str],
+    tensors: dict[str, Tensor],
     group: int,
     progress: bool,
 ) -> None:
-    """Quantizes `names` of `source` into a new cache at `path` (a temporary file renamed over
-    it). Holds one tensor at a time."""
+    """Quantizes `tensors` (the source's, by name) into a new cache at `path` (a temporary file
+    renamed over it). Holds one tensor at a time."""
     from safetensors import safe_open
 
     compress = key["compress"]
-    with safe_open(str(source), framework="pt") as f:
-        shapes = {n: tuple(f.get_slice(n).get_shape()) for n in names}
+    names = list(tensors)
+    shapes = {n: tuple(t.shape) for n, t in tensors.items()}
     layout = {n: quant.layout(shapes[n], compress, group) for n in names}
     padded = {n: -(-layout[n]["bytes"] // PAGE) * PAGE for n in names}
     entries: dict[str, Any] = {}
@@ -145,7 +144,7 @@ def _write(
     meta = dict(key)
     meta["tensors"] = {
         n: {
-            "dtype": dtypes[n],  # "float32", "bfloat16" or "float16", as C++ writes them
+            "dtype": tensors[n].dtype,  # "float32", "bfloat16" or "float16", as C++ writes
             "shape": list(shapes[n]),
             "stored_bytes": layout[n]["bytes"],
             "crc32c": "00000000",  # hex, fixed width: the header keeps its length
@@ -247,8 +246,8 @@ def compress_checkpoint(
             if why is None:
                 report.reused.append(str(path))
             else:
-                dtypes = {n: tensors[n].tensor.dtype for n in names}
-                _write(path, source, key, names, dtypes, group, progress)
+                picked_tensors = {n: tensors[n].tensor for n in names}
+                _write(path, source, key, picked_tensors, group, progress)
                 report.rebuilt.append((str(path), why))
             header, start = _read_header(path)
             meta = json.loads(header["__metadata__"]["strata"])

@@ -26,7 +26,6 @@
 // against torch); torch on bf16 params instead rounds after every operation of the formula.
 #include "strata/optim/adam.h"
 
-#include <immintrin.h>
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>
 
@@ -158,36 +157,8 @@ Kernel kernel_for(AdamIsa isa) {
   return kernel_baseline;
 }
 
-// Note [f16 through F16C]: f16 gradients and copies convert 8 at a time with the F16C
-// instructions (exact for every non-NaN value, round to nearest even; f16_to_float and
-// float_to_f16 treat NaNs as they do), a block at a time around the f32 kernel, when the CPU
-// has them; else element by element in the kernel.
-__attribute__((target("avx,f16c"))) void f16_to_f32_block(const std::uint16_t* src, float* dst,
-                                                          std::size_t n) {
-  std::size_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(dst + i,
-                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-  for (; i < n; ++i)
-    dst[i] = f16_to_float(src[i]);
-}
-
-__attribute__((target("avx,f16c"))) void f32_to_f16_block(const float* src, std::uint16_t* dst,
-                                                          std::size_t n) {
-  std::size_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm_storeu_si128(
-        reinterpret_cast<__m128i*>(dst + i),
-        _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  for (; i < n; ++i)
-    dst[i] = float_to_f16(src[i]);
-}
-
-bool has_f16c() {
-  static const bool yes = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
-  return yes;
-}
-
+// Note [f16 through F16C] (strata/base/half.h): f16 gradients and copies convert a block at a
+// time around the f32 kernel when the CPU has F16C; else element by element in the kernel.
 // One chunk with f16 gradients and/or an f16 copy, through F16C a block at a time.
 void f16_chunk(Kernel kernel, const Scalars& s, float* p, float* m, float* v, const void* grads,
                int gk, std::uint16_t* copy, int ck, std::size_t n) {

@@ -1,7 +1,8 @@
 // Group-wise int8/int4 quantization (Note [Compressed copies] in strata/quant/group_quant.h):
 // the layout, the quantizer (scalar, in double, run once) and the dequantizer, one loop
 // compiled for AVX-512F, AVX2 and the x86-64 baseline as the CPU Adam is (Note [Adam kernel
-// dispatch]); this file is compiled with -ffp-contract=off so every variant rounds alike.
+// dispatch]), f16 output through F16C (Note [f16 through F16C]); this file is compiled with
+// -ffp-contract=off so every variant rounds alike.
 #include "strata/quant/group_quant.h"
 
 #include <immintrin.h>
@@ -217,22 +218,6 @@ inline void block_bf16(const std::uint8_t* __restrict c, float s, float m,
   }
 }
 
-__attribute__((target("avx,f16c"))) void f32_to_f16_f16c(const float* src, std::uint16_t* dst,
-                                                         std::uint64_t n) {
-  std::uint64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm_storeu_si128(
-        reinterpret_cast<__m128i*>(dst + i),
-        _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  for (; i < n; ++i)
-    dst[i] = float_to_f16(src[i]);
-}
-
-bool has_f16c() {
-  static const bool yes = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
-  return yes;
-}
-
 struct Job {
   bool int4;
   std::uint64_t group;
@@ -275,7 +260,7 @@ inline void dequantize_body(const Job& j) {
           block_f32(c, s, m, wide, n);
           auto* o = static_cast<std::uint16_t*>(j.out) + at;
           if (f16c)
-            f32_to_f16_f16c(wide, o, n);
+            f32_to_f16_block(wide, o, n);
           else
             for (std::uint64_t i = 0; i < n; ++i)
               o[i] = float_to_f16(wide[i]);

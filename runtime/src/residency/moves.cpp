@@ -41,7 +41,7 @@ void Runtime::Impl::finish_move(TensorState& t, Tier dst, Tier src, std::excepti
     c.version = std::max(c.version, version);  // a write lease may have ended during the load
     c.ready = true;
     // A move through a kept host copy reported its first leg when that copy landed.
-    notify([&](Observer& o) { o.landed(t.id, t.bytes_moved(src, dst), via.value_or(src), dst); });
+    notify([&](Observer& o) { o.landed(t.id, t.stored, via.value_or(src), dst); });
   }
   --t.moves;
   --moves_in_flight;

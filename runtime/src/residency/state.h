@@ -63,7 +63,8 @@ struct TensorState {
   TensorId id = 0;
   TensorDesc desc;
   /// Note [Compressed copies]: the bytes of its Host and Nvme copies (desc.bytes when it is not
-  /// compressed) and, when it is, where they are.
+  /// compressed) and, when it is, where they are. Every move carries `stored` bytes: a
+  /// compressed tensor's reach the device as they are (more than its full width for tiny rows).
   std::uint64_t stored = 0;
   quant::Layout layout;
   Tier home = Tier::Host;
@@ -75,12 +76,6 @@ struct TensorState {
   /// The bytes of its copy on `t`: the Device copy is full width, the others as stored.
   [[nodiscard]] std::uint64_t bytes_on(Tier t) const {
     return t == Tier::Device ? desc.bytes : stored;
-  }
-  /// The bytes a move between two tiers carries: a compressed tensor's stored bytes (into the
-  /// device too: they cross the link, and may outnumber the full width for tiny rows).
-  [[nodiscard]] std::uint64_t bytes_moved(Tier a, Tier b) const {
-    (void)a, (void)b;
-    return stored;
   }
   [[nodiscard]] bool current(Tier t) const {
     const Copy& c = copies[idx(t)];

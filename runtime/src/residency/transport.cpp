@@ -52,7 +52,7 @@ void Runtime::Impl::copy_on_stream(TensorState& t, Tier dst, Tier src, std::uint
   Copy& d = t.copies[idx(dst)];
   const Copy& s = t.copies[idx(src)];
   const bool up = dst == Tier::Device;
-  const std::uint64_t bytes = t.bytes_moved(src, dst);
+  const std::uint64_t bytes = t.stored;  // Note [Compressed copies]: what crosses the link
   TensorState* tp = &t;
   Stream& stream = up ? backend->h2d_stream() : backend->d2h_stream();
   auto event = std::shared_ptr<Event>(backend->create_event());
@@ -61,9 +61,7 @@ void Runtime::Impl::copy_on_stream(TensorState& t, Tier dst, Tier src, std::uint
     if (!up)
       STRATA_FAIL(Errc::internal, "tensor \"", t.desc.name,
                   "\" is compressed: its device copy never goes down (it is read-only)");
-    const Stream::DequantJob job{
-        t.desc.compression.codec == Codec::Int4 ? quant::Bits::Int4 : quant::Bits::Int8, t.layout,
-        t.desc.dtype};
+    const Stream::DequantJob job{quant::bits_of(t.desc.compression.codec), t.layout, t.desc.dtype};
     try {
       stream.dequantize_async(d.ptr, s.ptr, bytes, job);
     } catch (...) {  // refused at once (no scratch on CUDA): the move ends, failed

@@ -1,8 +1,10 @@
 // Half-precision conversions (bf16 and IEEE f16 <-> fp32, round to nearest even), shared by the
-// kernels that widen and narrow 16-bit tensors: CPU Adam, dequantization, the examples.
+// kernels that widen and narrow 16-bit tensors: CPU Adam, dequantization, the examples; and
+// f16 blocks through the F16C instructions (src/half.cpp).
 #pragma once
 
 #include <bit>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 
@@ -70,5 +72,16 @@ inline std::uint16_t float_to_f16(float f) noexcept {
   v += 0xFFFu + ((v >> 13) & 1u);       // round to nearest even
   return static_cast<std::uint16_t>(sign | (v >> 13));
 }
+
+// Note [f16 through F16C]: f16 values convert 8 at a time with the F16C instructions (exact for
+// every non-NaN value, round to nearest even; f16_to_float and float_to_f16 treat NaNs as they
+// do), a block at a time around a kernel's f32 loop, when the CPU has them.
+
+/// Whether this CPU has F16C (and AVX): f16_to_f32_block and f32_to_f16_block need it.
+bool has_f16c() noexcept;
+/// n f16 values widened, 8 at a time with F16C (the tail element by element).
+void f16_to_f32_block(const std::uint16_t* src, float* dst, std::size_t n) noexcept;
+/// n floats narrowed to f16, 8 at a time with F16C (the tail element by element).
+void f32_to_f16_block(const float* src, std::uint16_t* dst, std::size_t n) noexcept;
 
 }  // namespace strata

@@ -42,6 +42,17 @@ struct Scheme {
   std::uint32_t group = 64;  ///< elements a group; even for int4 (groups start on a byte)
 };
 
+/// A descriptor's codec (Int8 or Int4) as bits, and back; the scheme its compression asks for.
+constexpr Bits bits_of(Codec codec) noexcept {
+  return codec == Codec::Int4 ? Bits::Int4 : Bits::Int8;
+}
+constexpr Codec codec_of(Bits bits) noexcept {
+  return bits == Bits::Int4 ? Codec::Int4 : Codec::Int8;
+}
+constexpr Scheme scheme_of(const Compression& c) noexcept {
+  return {bits_of(c.codec), c.group};
+}
+
 /// Where a compressed copy's bytes are (Note [Compressed copies]).
 struct Layout {
   std::uint64_t group = 0;  ///< the scheme's group size

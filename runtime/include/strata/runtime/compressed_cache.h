@@ -35,7 +35,7 @@ std::string compressed_cache_path(const std::string& source, const std::string& 
 
 /// Opens the cache of `names` (tensors of the file `source`, whose header is `header`), or
 /// builds it when it is missing, stale (another key or selection) or, with `verify`, fails a
-/// CRC32C: quantized tensor by tensor (two passes: the CRCs first, as the header holds them),
+/// CRC32C: quantized tensor by tensor, once (the header is written again with the CRCs at the end),
 /// written to a temporary file and renamed over the old one. `progress(done, total)` is called
 /// as bytes are written. Throws strata::Error naming the tensor for one that cannot be
 /// compressed, IoError naming the path for I/O failures.

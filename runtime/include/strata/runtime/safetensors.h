@@ -82,11 +82,19 @@ class Writer {
   void write(const void* data, std::size_t bytes);
   /// Checks every tensor got all its bytes, flushes and closes.
   void finish();
+  /// The same, with metadata known only at the end (checksums of the data) written over the
+  /// constructor's: it must make a header of the same length (give fixed-width values).
+  void finish(const std::map<std::string, std::string>& metadata);
   [[nodiscard]] std::uint64_t file_bytes() const noexcept { return total_; }
 
  private:
+  [[nodiscard]] std::string header_text(const std::map<std::string, std::string>& metadata) const;
+
   std::string path_;
   int fd_ = -1;
+  std::vector<TensorSpec> specs_;
+  std::uint64_t alignment_ = 8;
+  std::uint64_t data_offset_ = 0;
   std::vector<std::uint64_t> sizes_;
   std::vector<std::string> names_;
   std::size_t current_ = 0;
