@@ -85,7 +85,20 @@ def source(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tenso
 @pytest.mark.parametrize("bits", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
-    "shape,group", [((3, 5, 67), 64), ((130,), 64), ((2, 1), 64), ((4, 100), 32), ((3, 300), 256)]
+    "shape,group",
+    [
+        ((3, 5, 67), 64),
+        ((130,), 64),
+        ((2, 1), 64),
+        ((4, 100), 32),
+        ((3, 300), 256),
+        # Rows longer than the dequantizer's chunk of 1024 (Note [Dequantizing a row in chunks]):
+        # whole groups a chunk; chunks of 1000 (groups of 100) and a short last group; a group
+        # longer than a chunk, split across two.
+        ((2, 2500), 64),
+        ((2, 2150), 100),
+        ((2, 3001), 1500),
+    ],
 )
 def test_quantize_and_dequantize_equal_the_reference(bits, dtype, shape, group):
     x = source(dtype, shape, seed=len(shape) * 1000 + shape[-1])
