@@ -202,6 +202,41 @@ TEST_F(CompressedTest, AFailedNvmeReadSurfacesAndTheTensorSurvives) {
   EXPECT_EQ(device_values(*rt, t), expected(v, Codec::Int8));  // the next read succeeds
 }
 
+TEST_F(CompressedTest, ADevicePrefetchStartsTheNvmeReadAndTheLandingStagesTheDeviceCopy) {
+  // Note [A device prefetch does not wait for NVMe]: prefetch() returns with the host loads in
+  // flight; each landing starts its device load, with no acquire. The second read fails: its
+  // prefetch does not throw (it never waited for the read), the others still arrive, and the
+  // acquire of the failed one reads NVMe again.
+  Budgets b;
+  b.faults = {"read:2:eio"};
+  auto rt = make(b);
+  std::vector<std::vector<float>> v;
+  std::vector<TensorId> ids;
+  for (std::uint32_t i = 0; i < 4; ++i) {
+    v.push_back(values(20 + i));
+    ids.push_back(rt->create_tensor(weight("w" + std::to_string(i), Codec::Int8), Tier::Nvme,
+                                    v.back().data()));
+  }
+  for (const TensorId t : ids)
+    EXPECT_NO_THROW(rt->prefetch(t, Tier::Device));
+  rt->synchronize();
+  EXPECT_EQ(rt->tier_stats(Tier::Device).dequantizations, 3u);
+  EXPECT_EQ(rt->tier_stats(Tier::Device).misses, 0u);  // nobody asked yet
+  int on_device = 0;
+  for (const TensorId t : ids)
+    on_device += rt->resident(t, Tier::Device) ? 1 : 0;
+  EXPECT_EQ(on_device, 3);
+  for (std::size_t i = 0; i < ids.size(); ++i)
+    EXPECT_EQ(device_values(*rt, ids[i]), expected(v[i], Codec::Int8)) << i;
+  const TierStats d = rt->tier_stats(Tier::Device);
+  EXPECT_EQ(d.hits, 3u);  // the prefetched three
+  EXPECT_EQ(d.misses, 1u);
+  rt->synchronize();
+  EXPECT_EQ(rt->tier_stats(Tier::Device).dequantizations, 4u);
+  EXPECT_EQ(rt->transfer_stats().bytes_nvme_to_host,
+            4 * quant::layout(scheme_of(Codec::Int8), kRows, kCols).bytes);
+}
+
 TEST_F(CompressedTest, AMappedFileOfStoredBytesIsDequantizedOnTheDevice) {
   const auto v = values(6);
   const quant::Layout l = quant::layout(scheme_of(Codec::Int8), kRows, kCols);

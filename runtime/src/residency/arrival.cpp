@@ -93,9 +93,8 @@ bool Runtime::Impl::prefetch_replacing(std::unique_lock<std::mutex>& lock, Tenso
     // Note [Compressed copies]: from its host copy only (brought from NVMe first), dequantized
     // whole; it does not arrive in pieces, so it needs free device room.
     if (!t.current(Tier::Host)) {
-      ensure(lock, t, Tier::Host, /*count=*/false, Access::Read, /*prefetch=*/true,
-             /*lease=*/false);
-      settled.wait(lock, [&] { return t.copies[idx(Tier::Host)].state != CopyState::Loading; });
+      // Note [A device prefetch does not wait for NVMe]: on its way, through the host.
+      if (prefetch_through_host(lock, t)) return true;
       const Copy& now = t.copies[idx(Tier::Device)];
       if (now.state == CopyState::Loading || t.current(Tier::Device)) return true;
       if (!t.current(Tier::Host)) return false;

@@ -160,6 +160,12 @@ struct Runtime::Impl {
   // ranks before t itself (t is shown to it as a candidate: if it would go first, the staging
   // would evict something needed sooner). Never writes back, compacts or waits.
   bool stage(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier);
+  // stage() without running the I/O it starts: the caller's run_after_unlock does.
+  bool stage_locked(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier);
+  // Note [A device prefetch does not wait for NVMe]: starts t's host load for a device prefetch
+  // of a compressed tensor and marks it so that the landing stages the device copy. False when
+  // the host copy is current after all (the caller goes on to the device load).
+  bool prefetch_through_host(std::unique_lock<std::mutex>& lock, TensorState& t);
 
   // ---- room.cpp (Note [Making room]; lock held) ----
 

@@ -43,6 +43,18 @@ void Runtime::Impl::finish_move(TensorState& t, Tier dst, Tier src, std::excepti
     // A move through a kept host copy reported its first leg when that copy landed.
     notify([&](Observer& o) { o.landed(t.id, t.stored, via.value_or(src), dst); });
   }
+  if (dst == Tier::Host && t.device_after_host) {
+    // Note [A device prefetch does not wait for NVMe]: the prefetch's device load, if there is
+    // room that needs no waiting; otherwise the acquire loads it. A failure here is the
+    // prefetch's: the acquire that follows meets it, or succeeds.
+    t.device_after_host = false;
+    if (!error) {
+      try {
+        stage_locked(lock, t, Tier::Device);
+      } catch (const Error&) {  // NOLINT(bugprone-empty-catch): a prefetch's, as above
+      }
+    }
+  }
   --t.moves;
   --moves_in_flight;
   // Note [Arrival in pieces]: a claimed copy whose leases ended while it landed or was a

@@ -53,6 +53,27 @@ bool Runtime::Impl::discard(std::unique_lock<std::mutex>& lock, TensorState& t, 
   return true;
 }
 
+// Note [A device prefetch does not wait for NVMe]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A compressed tensor reaches the device only from its host copy (Note [Compressed copies]). A
+// device prefetch of one whose host copy is not current waited for the NVMe read to land before
+// it started the device load: the planner, which issues prefetches one after another, had one
+// read in flight at a time and stalled behind each. Now the prefetch starts the host load (or
+// finds it landing), marks the tensor device_after_host and returns. When the host copy lands,
+// finish_move stages the device copy (stage_locked: free room, or clean copies the eviction
+// policy ranks after it; it never waits, writes back or compacts, for it runs on a completion
+// thread). Without such room the device load is left to the acquire, from the host copy that is
+// there by then. An acquire still waits for the host copy, and finds the device load started.
+bool Runtime::Impl::prefetch_through_host(std::unique_lock<std::mutex>& lock, TensorState& t) {
+  const Copy& h = t.copies[idx(Tier::Host)];
+  const auto landing = [&] { return h.state == CopyState::Loading && h.version == t.version; };
+  if (!landing())
+    ensure(lock, t, Tier::Host, /*count=*/false, Access::Read, /*prefetch=*/true, /*lease=*/false);
+  if (!landing()) return false;  // current after all (a load that landed at once), or failed
+  t.device_after_host = true;
+  return true;
+}
+
 // Note [A lease is taken before the unlock]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // An acquire's lease is counted on the copy before ensure() lets go of the lock. Starting a
@@ -119,6 +140,11 @@ void Runtime::Impl::ensure(std::unique_lock<std::mutex>& lock, TensorState& t, T
     // ahead of the device) waits for that copy and moves from it: NVMe is read once.
     if (tier == Tier::Device) {
       const Copy& h = t.copies[idx(Tier::Host)];
+      // Note [A device prefetch does not wait for NVMe]
+      if (prefetch && !lease && t.compressed() && !t.current(Tier::Host)) {
+        if (prefetch_through_host(lock, t) || !t.current(Tier::Host)) return;
+        continue;
+      }
       if (h.state == CopyState::Loading && h.version == t.version) {
         settled.wait(lock);
         continue;

@@ -182,6 +182,12 @@ bool Runtime::Impl::compact(std::unique_lock<std::mutex>& lock, Tier tier) {
 }
 
 bool Runtime::Impl::stage(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier) {
+  const bool started = stage_locked(lock, t, tier);
+  run_after_unlock(lock);
+  return started;
+}
+
+bool Runtime::Impl::stage_locked(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier) {
   if (t.discarded) return false;
   for (std::size_t i = 0; i <= idx(tier); ++i) {  // already here, or on a faster tier
     const CopyState s = t.copies[i].state;
@@ -209,7 +215,6 @@ bool Runtime::Impl::stage(std::unique_lock<std::mutex>& lock, TensorState& t, Ti
   }
   start_load(lock, t, tier, source_for(t, tier));
   t.copies[idx(tier)].last_use = ++clock;
-  run_after_unlock(lock);
   return true;
 }
 

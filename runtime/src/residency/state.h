@@ -72,6 +72,9 @@ struct TensorState {
   std::array<Copy, kTiers> copies;
   int moves = 0;           // in flight
   bool discarded = false;  // no bytes anywhere until the next write
+  /// Note [A device prefetch does not wait for NVMe]: a device prefetch of a compressed tensor
+  /// started its host load; when that lands, its device load is staged.
+  bool device_after_host = false;
   [[nodiscard]] bool compressed() const { return desc.compression.codec != Codec::None; }
   /// The bytes of its copy on `t`: the Device copy is full width, the others as stored.
   [[nodiscard]] std::uint64_t bytes_on(Tier t) const {
