@@ -442,6 +442,11 @@ std::uint64_t Runtime::tensor_bytes(TensorId id) const {
   return impl_->get(id).desc.bytes;
 }
 
+std::uint64_t Runtime::tensor_bytes(TensorId id, Tier tier) const {
+  std::lock_guard lock(impl_->mutex);
+  return impl_->get(id).bytes_on(tier);
+}
+
 bool Runtime::resident(TensorId id, Tier tier) const {
   std::lock_guard lock(impl_->mutex);
   const TensorState& t = impl_->get(id);

@@ -205,6 +205,9 @@ class Runtime {
   [[nodiscard]] TensorDesc describe(TensorId tensor) const;
   /// describe(tensor).bytes without copying the descriptor (planners ask it per step).
   [[nodiscard]] std::uint64_t tensor_bytes(TensorId tensor) const;
+  /// The bytes its copy on `tier` takes: tensor_bytes(tensor), but a compressed tensor's host
+  /// and NVMe copies hold its stored bytes (Note [Compressed copies]).
+  [[nodiscard]] std::uint64_t tensor_bytes(TensorId tensor, Tier tier) const;
   /// True when `tier` holds the tensor's newest bytes (or is loading them).
   [[nodiscard]] bool resident(TensorId tensor, Tier tier) const;
   [[nodiscard]] std::vector<TensorId> tensors() const;
