@@ -22,9 +22,14 @@ void write_svg_timeline(const std::string& path, const Runtime& runtime, const T
   }
   if (events.empty()) t0 = 0, t1 = 1;
   const double width = 1200, left = 130, lane_h = 26, top = 50;
-  const Track lanes[] = {Track::Compute, Track::H2D, Track::D2H, Track::NvmeRead, Track::NvmeWrite};
-  const char* colors[] = {"#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3"};
-  const double plot_top = top + 5 * lane_h + 40, plot_h = 160;
+  // The dequantize lane (Note [Compressed copies]) only when a compressed copy was made.
+  const bool dequant = std::any_of(events.begin(), events.end(),
+                                   [](const TraceEvent& e) { return e.track == Track::Dequant; });
+  const Track lanes[] = {Track::Compute,  Track::H2D,       Track::D2H,
+                         Track::NvmeRead, Track::NvmeWrite, Track::Dequant};
+  const char* colors[] = {"#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860"};
+  const int n_lanes = dequant ? 6 : 5;
+  const double plot_top = top + n_lanes * lane_h + 40, plot_h = 160;
   const double height = plot_top + plot_h + 60;
   const double span = static_cast<double>(std::max<std::uint64_t>(t1 - t0, 1));
   auto x = [&](std::uint64_t t) {
@@ -36,7 +41,7 @@ void write_svg_timeline(const std::string& path, const Runtime& runtime, const T
       << "' font-family='sans-serif' font-size='12'>\n"
       << "<rect width='100%' height='100%' fill='white'/>\n"
       << "<text x='10' y='22' font-size='15' font-weight='bold'>" << title << "</text>\n";
-  for (int i = 0; i < 5; ++i) {
+  for (int i = 0; i < n_lanes; ++i) {
     const double y = top + i * lane_h;
     svg << "<text x='10' y='" << y + 17 << "'>" << to_string(lanes[i]) << "</text>\n"
         << "<rect x='" << left << "' y='" << y + 2 << "' width='" << width - left - 20
@@ -44,7 +49,7 @@ void write_svg_timeline(const std::string& path, const Runtime& runtime, const T
   }
   for (const auto& e : events) {
     int lane = -1;
-    for (int i = 0; i < 5; ++i)
+    for (int i = 0; i < n_lanes; ++i)
       if (lanes[i] == e.track) lane = i;
     if (lane < 0) continue;
     const double x0 = x(e.start_ns), x1 = std::max(x(e.end_ns), x0 + 0.5);
@@ -53,7 +58,7 @@ void write_svg_timeline(const std::string& path, const Runtime& runtime, const T
         << (e.track == Track::NvmeRead || e.track == Track::NvmeWrite ? 0.35 : 0.85) << "'/>\n";
   }
   // Time axis.
-  const double axis_y = top + 5 * lane_h + 14;
+  const double axis_y = top + n_lanes * lane_h + 14;
   for (int i = 0; i <= 10; ++i) {
     const double xi = left + (width - left - 20) * i / 10.0;
     char label[32];
