@@ -202,9 +202,9 @@ TEST_F(CompressedTest, AFailedNvmeReadSurfacesAndTheTensorSurvives) {
   EXPECT_EQ(device_values(*rt, t), expected(v, Codec::Int8));  // the next read succeeds
 }
 
-TEST_F(CompressedTest, ADevicePrefetchStartsTheNvmeReadAndTheLandingStagesTheDeviceCopy) {
+TEST_F(CompressedTest, ADevicePrefetchReturnsBeforeTheNvmeReadAndTheLandingCarriesTheDeviceMove) {
   // Note [A device prefetch does not wait for NVMe]: prefetch() returns with the host loads in
-  // flight; each landing starts its device load, with no acquire. The second read fails: its
+  // flight; each landing carries its device move, with no acquire. The second read fails: its
   // prefetch does not throw (it never waited for the read), the others still arrive, and the
   // acquire of the failed one reads NVMe again.
   Budgets b;
@@ -235,6 +235,32 @@ TEST_F(CompressedTest, ADevicePrefetchStartsTheNvmeReadAndTheLandingStagesTheDev
   EXPECT_EQ(rt->tier_stats(Tier::Device).dequantizations, 4u);
   EXPECT_EQ(rt->transfer_stats().bytes_nvme_to_host,
             4 * quant::layout(scheme_of(Codec::Int8), kRows, kCols).bytes);
+}
+
+TEST_F(CompressedTest, ADevicePrefetchMakesRoomAndAnAcquireJoinsTheMoveBehindTheRead) {
+  // Note [A device prefetch does not wait for NVMe]: the device holds one 75 KiB copy. A
+  // prefetch of c evicts a's (the default LRU policy, on the prefetching thread) and begins c's
+  // device move behind its NVMe read; the acquire right after joins that move (a hit), and NVMe
+  // is read once.
+  Budgets b;
+  b.device = 100 * KiB;
+  auto rt = make(b);
+  const auto va = values(30), vc = values(31);
+  const TensorId a = rt->create_tensor(weight("a", Codec::Int8), Tier::Nvme, va.data());
+  const TensorId c = rt->create_tensor(weight("c", Codec::Int4), Tier::Nvme, vc.data());
+  EXPECT_EQ(device_values(*rt, a), expected(va, Codec::Int8));
+  rt->prefetch(c, Tier::Device);
+  EXPECT_FALSE(rt->resident(a, Tier::Device));
+  EXPECT_TRUE(rt->resident(c, Tier::Device));  // on its way
+  EXPECT_EQ(device_values(*rt, c), expected(vc, Codec::Int4));
+  rt->synchronize();
+  const TierStats d = rt->tier_stats(Tier::Device);
+  EXPECT_EQ(d.hits, 1u);
+  EXPECT_EQ(d.misses, 1u);  // a's
+  EXPECT_EQ(d.dequantizations, 2u);
+  EXPECT_EQ(rt->transfer_stats().bytes_nvme_to_host,
+            quant::layout(scheme_of(Codec::Int8), kRows, kCols).bytes +
+                quant::layout(scheme_of(Codec::Int4), kRows, kCols).bytes);
 }
 
 TEST_F(CompressedTest, AMappedFileOfStoredBytesIsDequantizedOnTheDevice) {

@@ -80,9 +80,10 @@ bool Runtime::Impl::prefetch_replacing(std::unique_lock<std::mutex>& lock, Tenso
     if (c.state == CopyState::Loading || c.state == CopyState::Evicting || t.current(Tier::Device))
       return true;  // there, or on its way
     if (t.discarded) return false;
-    // As ensure(): a device load waits for a host copy that is landing, and reads it.
+    // As ensure(): a device load waits for a host copy that is landing, and reads it (a
+    // compressed tensor's begins behind it: Note [A device prefetch does not wait for NVMe]).
     const Copy& h = t.copies[idx(Tier::Host)];
-    if (h.state == CopyState::Loading && h.version == t.version) {
+    if (h.state == CopyState::Loading && h.version == t.version && (!t.compressed() || h.sliding)) {
       settled.wait(lock);
       continue;
     }
@@ -93,8 +94,9 @@ bool Runtime::Impl::prefetch_replacing(std::unique_lock<std::mutex>& lock, Tenso
     // Note [Compressed copies]: from its host copy only (brought from NVMe first), dequantized
     // whole; it does not arrive in pieces, so it needs free device room.
     if (!t.current(Tier::Host)) {
-      // Note [A device prefetch does not wait for NVMe]: on its way, through the host.
-      if (prefetch_through_host(lock, t)) return true;
+      // Note [A device prefetch does not wait for NVMe]: on its way, behind its host copy.
+      const Chained how = chain_through_host(lock, t, /*wait_for_room=*/false);
+      if (how != Chained::host_current) return how == Chained::started;
       const Copy& now = t.copies[idx(Tier::Device)];
       if (now.state == CopyState::Loading || t.current(Tier::Device)) return true;
       if (!t.current(Tier::Host)) return false;

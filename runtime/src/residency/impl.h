@@ -160,12 +160,14 @@ struct Runtime::Impl {
   // ranks before t itself (t is shown to it as a candidate: if it would go first, the staging
   // would evict something needed sooner). Never writes back, compacts or waits.
   bool stage(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier);
-  // stage() without running the I/O it starts: the caller's run_after_unlock does.
-  bool stage_locked(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier);
-  // Note [A device prefetch does not wait for NVMe]: starts t's host load for a device prefetch
-  // of a compressed tensor and marks it so that the landing stages the device copy. False when
-  // the host copy is current after all (the caller goes on to the device load).
-  bool prefetch_through_host(std::unique_lock<std::mutex>& lock, TensorState& t);
+  // Note [A device prefetch does not wait for NVMe]: for a device prefetch of compressed t whose
+  // host copy is not current, starts the host load (or finds it landing) and begins the device
+  // move behind it, in room made (`wait_for_room`: make_room, which may wait) or free
+  // (try_alloc). `started`: the device copy is on its way; `host_current`: the caller loads it
+  // the usual way; `not_started`: no room without waiting, or the host load failed at once.
+  enum class Chained : std::uint8_t { started, host_current, not_started };
+  Chained chain_through_host(std::unique_lock<std::mutex>& lock, TensorState& t,
+                             bool wait_for_room);
 
   // ---- room.cpp (Note [Making room]; lock held) ----
 
@@ -209,6 +211,12 @@ struct Runtime::Impl {
   // Starts moving t's newest bytes from `src` into its (allocated) copy on `dst` by the way
   // across (transport.cpp). Lock held; I/O is queued for run_after_unlock.
   void start_load(std::unique_lock<std::mutex>& lock, TensorState& t, Tier dst, Tier src);
+  // start_load's two halves: the records (dst Loading, a move in flight; the source is not
+  // pinned) and the carrying (the way across, or the chunk pipeline of an arrival in pieces).
+  void begin_move(TensorState& t, Tier dst, Tier src);
+  void carry(TensorState& t, Tier dst, Tier src);
+  // A move into `dst` failed: the copy keeps the error; its room goes unless leases wait on it.
+  void fail_landing(TensorState& t, Tier dst, std::exception_ptr error);
   // Completion of a move into `dst` (any thread; takes the lock).
   // `via`: the tier the bytes passed through on the way (a kept host copy), if any.
   void finish_move(TensorState& t, Tier dst, Tier src, std::exception_ptr error,

@@ -18,24 +18,7 @@ void Runtime::Impl::finish_move(TensorState& t, Tier dst, Tier src, std::excepti
   Copy& c = t.copies[idx(dst)];
   unpin(t.copies[idx(src)]);
   if (error) {
-    c.error = error;
-    c.state = CopyState::Absent;
-    c.ready = false;
-    c.event.reset();
-    if (c.leases == 0) {
-      const std::exception_ptr keep = c.error;
-      free_space(t, dst);
-      t.copies[idx(dst)].error = keep;
-    } else if (dst == Tier::Device && arrivals.contains(t.id)) {
-      // An arrival in pieces gives its room and its claims back even while leases wait on it
-      // (they get the error): kept, it would hold copies it claimed until someone asked again.
-      const Copy kept = c;
-      free_space(t, dst);
-      Copy& now = t.copies[idx(dst)];
-      now.error = kept.error;
-      now.leases = kept.leases;  // their releases end them; no space is left to account
-      now.write_leases = kept.write_leases;
-    }
+    fail_landing(t, dst, error);
   } else {
     c.state = CopyState::Valid;
     c.version = std::max(c.version, version);  // a write lease may have ended during the load
@@ -44,15 +27,24 @@ void Runtime::Impl::finish_move(TensorState& t, Tier dst, Tier src, std::excepti
     notify([&](Observer& o) { o.landed(t.id, t.stored, via.value_or(src), dst); });
   }
   if (dst == Tier::Host && t.device_after_host) {
-    // Note [A device prefetch does not wait for NVMe]: the prefetch's device load, if there is
-    // room that needs no waiting; otherwise the acquire loads it. A failure here is the
-    // prefetch's: the acquire that follows meets it, or succeeds.
+    // Note [A device prefetch does not wait for NVMe]: the device move begun behind this load
+    // goes on from the landed host copy, or fails with it.
     t.device_after_host = false;
-    if (!error) {
+    std::exception_ptr failed = error;
+    if (!failed) {
+      Copy& h = t.copies[idx(Tier::Host)];
+      ++h.pins;  // the source, from now on
       try {
-        stage_locked(lock, t, Tier::Device);
-      } catch (const Error&) {  // NOLINT(bugprone-empty-catch): a prefetch's, as above
+        carry(t, Tier::Device, Tier::Host);
+      } catch (...) {  // refused before anything was queued (an event, a stream)
+        unpin(h);
+        failed = std::current_exception();
       }
+    }
+    if (failed) {
+      fail_landing(t, Tier::Device, failed);
+      --t.moves;
+      --moves_in_flight;
     }
   }
   --t.moves;
@@ -67,8 +59,35 @@ void Runtime::Impl::finish_move(TensorState& t, Tier dst, Tier src, std::excepti
 void Runtime::Impl::start_load(std::unique_lock<std::mutex>& lock, TensorState& t, Tier dst,
                                Tier src) {
   (void)lock;
+  begin_move(t, dst, src);
+  ++t.copies[idx(src)].pins;
+  carry(t, dst, src);
+}
+
+void Runtime::Impl::fail_landing(TensorState& t, Tier dst, std::exception_ptr error) {
+  Copy& c = t.copies[idx(dst)];
+  c.error = error;
+  c.state = CopyState::Absent;
+  c.ready = false;
+  c.event.reset();
+  if (c.leases == 0) {
+    const std::exception_ptr keep = c.error;
+    free_space(t, dst);
+    t.copies[idx(dst)].error = keep;
+  } else if (dst == Tier::Device && arrivals.contains(t.id)) {
+    // An arrival in pieces gives its room and its claims back even while leases wait on it
+    // (they get the error): kept, it would hold copies it claimed until someone asked again.
+    const Copy kept = c;
+    free_space(t, dst);
+    Copy& now = t.copies[idx(dst)];
+    now.error = kept.error;
+    now.leases = kept.leases;  // their releases end them; no space is left to account
+    now.write_leases = kept.write_leases;
+  }
+}
+
+void Runtime::Impl::begin_move(TensorState& t, Tier dst, Tier src) {
   Copy& d = t.copies[idx(dst)];
-  Copy& s = t.copies[idx(src)];
   if (d.state == CopyState::Loading || d.state == CopyState::Evicting || t.current(dst)) {
     STRATA_FAIL(Errc::internal, "tensor \"", t.desc.name, "\": a move into its ", to_string(dst),
                 " copy, which is current or has a move in flight (Note [One move into a copy])");
@@ -76,12 +95,10 @@ void Runtime::Impl::start_load(std::unique_lock<std::mutex>& lock, TensorState& 
   if (t.compressed() && (src == Tier::Device || (src == Tier::Nvme && dst == Tier::Device)))
     STRATA_FAIL(Errc::internal, "tensor \"", t.desc.name, "\" is compressed: no way from ",
                 to_string(src), " to ", to_string(dst), " (Note [Compressed copies])");
-  const Way way = way_across(src, dst);
-  if (way == nullptr) {
+  if (way_across(src, dst) == nullptr) {
     STRATA_FAIL(Errc::internal, "tensor \"", t.desc.name, "\": no way across from ", to_string(src),
                 " to ", to_string(dst));
   }
-  ++s.pins;
   d.state = CopyState::Loading;
   d.version = t.version;
   d.ready = false;
@@ -89,12 +106,16 @@ void Runtime::Impl::start_load(std::unique_lock<std::mutex>& lock, TensorState& 
   d.event.reset();
   ++t.moves;
   ++moves_in_flight;
+}
+
+void Runtime::Impl::carry(TensorState& t, Tier dst, Tier src) {
+  const std::uint64_t version = t.copies[idx(dst)].version;
   // Note [Arrival in pieces]: a copy landing in pieces goes chunk by chunk, whatever its way.
   if (src == Tier::Host && dst == Tier::Device && arrivals.contains(t.id)) {
-    start_pipeline(t, dst, src, t.version);
+    start_pipeline(t, dst, src, version);
     return;
   }
-  (this->*way)(t, dst, src, t.version);
+  (this->*way_across(src, dst))(t, dst, src, version);
 }
 
 void Runtime::Impl::run_after_unlock(std::unique_lock<std::mutex>& lock) {

@@ -59,19 +59,55 @@ bool Runtime::Impl::discard(std::unique_lock<std::mutex>& lock, TensorState& t, 
 // device prefetch of one whose host copy is not current waited for the NVMe read to land before
 // it started the device load: the planner, which issues prefetches one after another, had one
 // read in flight at a time and stalled behind each. Now the prefetch starts the host load (or
-// finds it landing), marks the tensor device_after_host and returns. When the host copy lands,
-// finish_move stages the device copy (stage_locked: free room, or clean copies the eviction
-// policy ranks after it; it never waits, writes back or compacts, for it runs on a completion
-// thread). Without such room the device load is left to the acquire, from the host copy that is
-// there by then. An acquire still waits for the host copy, and finds the device load started.
-bool Runtime::Impl::prefetch_through_host(std::unique_lock<std::mutex>& lock, TensorState& t) {
+// finds it landing), makes room for the device copy as any device prefetch does (evicting by the
+// policy, waiting for write-backs: on the prefetching thread) and begins the device move behind
+// the host load: the device copy is Loading, not ready, its room held. finish_move, when the
+// host copy lands, carries the device move from it (pinned from then on), or fails it with the
+// host load's error; either way under the lock, with no waiting. An acquire meanwhile leases
+// the Loading device copy as it would any load's. A compaction's sliding copy is Loading but no
+// move's: it is waited for.
+Runtime::Impl::Chained Runtime::Impl::chain_through_host(std::unique_lock<std::mutex>& lock,
+                                                         TensorState& t, bool wait_for_room) {
   const Copy& h = t.copies[idx(Tier::Host)];
-  const auto landing = [&] { return h.state == CopyState::Loading && h.version == t.version; };
-  if (!landing())
-    ensure(lock, t, Tier::Host, /*count=*/false, Access::Read, /*prefetch=*/true, /*lease=*/false);
-  if (!landing()) return false;  // current after all (a load that landed at once), or failed
-  t.device_after_host = true;
-  return true;
+  Copy& d = t.copies[idx(Tier::Device)];
+  const auto landing = [&] {
+    return h.state == CopyState::Loading && h.version == t.version && !h.sliding;
+  };
+  // Room made for a device move that does not begin goes back (an Absent copy holding room is
+  // nobody's victim).
+  const auto give_up = [&] {
+    if (d.state == CopyState::Absent && d.leases == 0 && d.has_space()) free_space(t, Tier::Device);
+    return Chained::not_started;
+  };
+  bool asked = false;  // the host load, once: a failed one is the acquire's to retry
+  for (;;) {
+    if (t.current(Tier::Host)) return Chained::host_current;
+    if (d.state == CopyState::Loading || d.state == CopyState::Evicting || t.current(Tier::Device))
+      return Chained::started;                          // on its way already
+    if (h.state == CopyState::Loading && !landing()) {  // sliding, or an older version's load
+      settled.wait(lock);
+      continue;
+    }
+    if (!landing()) {
+      if (asked || t.discarded) return give_up();  // it failed (or landed and went)
+      asked = true;
+      ensure(lock, t, Tier::Host, /*count=*/false, Access::Read, /*prefetch=*/true,
+             /*lease=*/false);
+      continue;
+    }
+    if (!d.has_space()) {
+      if (!wait_for_room) {
+        if (!try_alloc(t, Tier::Device)) return give_up();
+      } else {
+        make_room(lock, t, Tier::Device);  // may wait: look again
+        continue;
+      }
+    }
+    begin_move(t, Tier::Device, Tier::Host);
+    t.device_after_host = true;
+    d.last_use = ++clock;
+    return Chained::started;
+  }
 }
 
 // Note [A lease is taken before the unlock]
@@ -142,7 +178,7 @@ void Runtime::Impl::ensure(std::unique_lock<std::mutex>& lock, TensorState& t, T
       const Copy& h = t.copies[idx(Tier::Host)];
       // Note [A device prefetch does not wait for NVMe]
       if (prefetch && !lease && t.compressed() && !t.current(Tier::Host)) {
-        if (prefetch_through_host(lock, t) || !t.current(Tier::Host)) return;
+        if (chain_through_host(lock, t, /*wait_for_room=*/true) != Chained::host_current) return;
         continue;
       }
       if (h.state == CopyState::Loading && h.version == t.version) {

@@ -145,6 +145,7 @@ bool Runtime::Impl::compact(std::unique_lock<std::mutex>& lock, Tier tier) {
       STRATA_FAIL(Errc::internal, "compaction lost a block on tier ", to_string(tier));
     c.state = CopyState::Loading;
     c.ready = false;
+    c.sliding = true;
     ++c.pins;
     TensorState& moving = *t;
     lock.unlock();
@@ -173,6 +174,7 @@ bool Runtime::Impl::compact(std::unique_lock<std::mutex>& lock, Tier tier) {
     }
     now.state = CopyState::Valid;
     now.ready = true;
+    now.sliding = false;
     unpin(now);
     ready_cv.notify_all();
     if (error) std::rethrow_exception(error);
@@ -182,12 +184,6 @@ bool Runtime::Impl::compact(std::unique_lock<std::mutex>& lock, Tier tier) {
 }
 
 bool Runtime::Impl::stage(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier) {
-  const bool started = stage_locked(lock, t, tier);
-  run_after_unlock(lock);
-  return started;
-}
-
-bool Runtime::Impl::stage_locked(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier) {
   if (t.discarded) return false;
   for (std::size_t i = 0; i <= idx(tier); ++i) {  // already here, or on a faster tier
     const CopyState s = t.copies[i].state;
@@ -215,6 +211,7 @@ bool Runtime::Impl::stage_locked(std::unique_lock<std::mutex>& lock, TensorState
   }
   start_load(lock, t, tier, source_for(t, tier));
   t.copies[idx(tier)].last_use = ++clock;
+  run_after_unlock(lock);
   return true;
 }
 

@@ -53,6 +53,7 @@ struct Copy {
   unsigned pins = 0;          // sources of moves in flight
   TensorId claimed_by = 0;    // Note [Arrival in pieces]: dropped for it when its leases end
   bool ready = false;         // a lease may be handed out
+  bool sliding = false;       // Note [Compaction without the lock]: Loading, but no move
   std::shared_ptr<Event> event;
   std::exception_ptr error;  // the last load failed
   std::uint64_t last_use = 0;
@@ -72,8 +73,8 @@ struct TensorState {
   std::array<Copy, kTiers> copies;
   int moves = 0;           // in flight
   bool discarded = false;  // no bytes anywhere until the next write
-  /// Note [A device prefetch does not wait for NVMe]: a device prefetch of a compressed tensor
-  /// started its host load; when that lands, its device load is staged.
+  /// Note [A device prefetch does not wait for NVMe]: its device move was begun behind its host
+  /// load; when that lands, the device move is carried (or fails with it).
   bool device_after_host = false;
   [[nodiscard]] bool compressed() const { return desc.compression.codec != Codec::None; }
   /// The bytes of its copy on `t`: the Device copy is full width, the others as stored.
