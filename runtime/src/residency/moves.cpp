@@ -36,7 +36,10 @@ void Runtime::Impl::finish_move(TensorState& t, Tier dst, Tier src, std::excepti
       ++h.pins;  // the source, from now on
       try {
         carry(t, Tier::Device, Tier::Host);
-      } catch (...) {  // refused before anything was queued (an event, a stream)
+      } catch (...) {
+        // Refused before anything was queued: creating its event. (A stream that refuses to
+        // record or to take a host function after the copy was queued is broken: CUDA's
+        // sticky errors, or no memory for a closure; the failure is reported either way.)
         unpin(h);
         failed = std::current_exception();
       }

@@ -91,15 +91,30 @@ Runtime::Impl::Chained Runtime::Impl::chain_through_host(std::unique_lock<std::m
     if (!landing()) {
       if (asked || t.discarded) return give_up();  // it failed (or landed and went)
       asked = true;
-      ensure(lock, t, Tier::Host, /*count=*/false, Access::Read, /*prefetch=*/true,
-             /*lease=*/false);
+      try {
+        ensure(lock, t, Tier::Host, /*count=*/false, Access::Read, /*prefetch=*/true,
+               /*lease=*/false);
+      } catch (...) {  // no room on the host: nor for the device move behind it
+        give_up();
+        throw;
+      }
       continue;
     }
     if (!d.has_space()) {
       if (!wait_for_room) {
         if (!try_alloc(t, Tier::Device)) return give_up();
       } else {
-        make_room(lock, t, Tier::Device);  // may wait: look again
+        // Its NVMe copy is pinned while room is made, as ensure() pins a load's source: the
+        // tensor stays (no destroy meanwhile), whatever its host copy does.
+        Copy& home = t.copies[idx(Tier::Nvme)];
+        ++home.pins;
+        try {
+          make_room(lock, t, Tier::Device);  // may wait: look again
+        } catch (...) {
+          unpin(home);
+          throw;
+        }
+        unpin(home);
         continue;
       }
     }
