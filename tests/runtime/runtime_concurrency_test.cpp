@@ -10,6 +10,7 @@
 
 #include "runtime/runtime_fixture.h"
 #include "strata/base/error.h"
+#include "strata/quant/group_quant.h"
 
 namespace strata::testing {
 namespace {
@@ -217,6 +218,68 @@ TEST(RuntimeConcurrency, AWriteBackJoinsTheMoveAlreadyLandingInItsTarget) {
   EXPECT_EQ(rt.tier_stats(Tier::Host).moves, host_moves + 1);
   EXPECT_EQ(rt.transfer_stats().bytes_device_to_host, kBytes);
   rt.set_eviction_policy(std::make_shared<LruPolicy>());
+}
+
+// Note [A device prefetch does not wait for NVMe]: six threads prefetch compressed tensors to
+// the device (device moves begun behind their NVMe reads) and acquire them, while others evict
+// their host copies; every lease holds the dequantized stored bytes.
+TEST(RuntimeConcurrency, CompressedTensorsPrefetchedAndAcquiredFromSixThreads) {
+  TempDir dir;
+  Budgets b;
+  b.device = 400 * KiB;  // five 75 KiB device copies
+  b.host = 4 * 64 * KiB + 160 * KiB;
+  Runtime rt(small_options(dir.path(), b));
+  constexpr std::int64_t rows = 96, cols = 200;
+  constexpr int kThreads = 6, kTensors = 10, kRounds = 40;
+  std::vector<TensorId> ids;
+  std::vector<std::vector<float>> want;
+  for (int i = 0; i < kTensors; ++i) {
+    const quant::Scheme scheme{i % 2 ? quant::Bits::Int4 : quant::Bits::Int8, 64};
+    std::vector<float> v(rows * cols);
+    std::mt19937 rng(i);
+    std::normal_distribution<float> normal(0.0f, 0.05f);
+    for (float& x : v)
+      x = normal(rng);
+    TensorDesc d;
+    d.name = "w" + std::to_string(i);
+    d.dtype = DType::F32;
+    d.shape = {rows, cols};
+    d.compression = {quant::codec_of(scheme.bits), scheme.group};
+    ids.push_back(rt.create_tensor(d, Tier::Nvme, v.data()));
+    const quant::Layout l = quant::layout(scheme, rows, cols);
+    std::vector<std::byte> packed(l.bytes);
+    quant::quantize(scheme, l, DType::F32, v.data(), packed.data(), d.name);
+    want.emplace_back(v.size());
+    quant::dequantize(scheme.bits, l, packed.data(), DType::F32, want.back().data(), 0, rows);
+  }
+  std::atomic<int> wrong{0}, oom{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(100 + t);
+      for (int r = 0; r < kRounds; ++r) {
+        const int i = static_cast<int>(rng() % kTensors);
+        try {
+          rt.prefetch(ids[(i + 1) % kTensors], Tier::Device);
+          Lease w = rt.acquire(ids[i], Tier::Device, Access::Read).get();
+          w.wait();
+          const float* p = w.as<const float>();
+          if (!std::equal(want[i].begin(), want[i].end(), p)) wrong.fetch_add(1);
+        } catch (const OutOfMemoryError&) {
+          oom.fetch_add(1);  // six leases and the prefetches may want more than the device holds
+        }
+        if (r % 5 == t % 5) rt.evict(ids[(i + 3) % kTensors], Tier::Host);
+      }
+    });
+  }
+  for (auto& th : threads)
+    th.join();
+  rt.synchronize();
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_GT(rt.tier_stats(Tier::Device).dequantizations, 0u);
+  EXPECT_EQ(rt.tier_stats(Tier::Device).leased_bytes, 0u);
+  std::printf("compressed, six threads: %d out-of-memory refusals of %d acquires\n", oom.load(),
+              kThreads * kRounds);
 }
 
 }  // namespace
