@@ -7,6 +7,9 @@
 // (>= 0.5 wanted). Neither can move more bytes a second than memory allows, so the
 // dequantizer's traffic (compressed bytes read + output written) a second above memcpy's
 // (output read + written) by more than kMaxTraffic is a measurement error and the bench fails.
+// The margin is 1.25, not 1.0: two threads of memcpy do not always reach this VM's memory limit
+// (they moved 16 to 49 GB/s from run to run), and the explicit AVX-512 dequantizer into f16
+// was measured at 1.00-1.10 of memcpy's traffic in runs whose outputs were verified.
 // Both run once to fault pages in, then in interleaved repetitions (alternating order); the
 // medians are compared. The output of the native variant is checked against the baseline
 // variant's, bit for bit.
@@ -31,7 +34,7 @@
 namespace strata::bench {
 namespace {
 
-constexpr double kMaxTraffic = 1.10;
+constexpr double kMaxTraffic = 1.25;
 
 struct Args {
   std::uint64_t rows = 4096;
@@ -165,7 +168,7 @@ void register_dequant(CLI::App& app) {
   cmd->add_option("--iters", args->iters, "timed repetitions of each, interleaved (medians)")
       ->check(CLI::Range(1, 1000));
   cmd->add_option("--max-traffic", args->max_traffic,
-                  "refuse a traffic_vs_memcpy above this as a measurement error (default 1.10)")
+                  "refuse a traffic_vs_memcpy above this as a measurement error (default 1.25)")
       ->check(CLI::NonNegativeNumber);
   cmd->add_flag("--json", args->json, "print one JSON object");
   cmd->callback([args] { run(*args); });
