@@ -12,7 +12,6 @@
 #include "runtime/runtime_fixture.h"
 #include "strata/base/error.h"
 #include "strata/io/io_options.h"
-#include "strata/quant/group_quant.h"
 #include "strata/runtime/telemetry.h"
 
 namespace strata::testing {
@@ -588,64 +587,6 @@ TEST_F(PrefetchPipelineTest, BeyondTheDeviceWindowTheNextLayersAreStagedOnTheHos
 // Note [Arrival in pieces]: the device holds one 256 KiB layer and half of another. While step s
 // runs, layer s + 1 is already arriving on the device, over the room of layer s, which is
 // dropped when its lease ends; every layer is still read from NVMe once a pass.
-// Note [Two-level prefetch] with compressed layers: the host level counts a layer's host copy at
-// its stored bytes (int8: 68 KiB of a 256 KiB layer), so the host tier that holds four and a
-// half full layers stages every layer ahead of the current one, not three. The device copies
-// are the dequantized stored bytes.
-TEST_F(PrefetchPipelineTest, CompressedLayersAreStagedAtTheirStoredBytes) {
-  Budgets b;
-  b.device = 384 * KiB;
-  b.host = 4 * 64 * KiB + 1 * MiB + 128 * KiB;
-  rt_ = std::make_unique<Runtime>(small_options(dir_.path(), b));
-  const std::size_t n = 8;
-  constexpr std::int64_t rows = 256, cols = 256;  // 256 KiB of f32
-  const quant::Scheme scheme{quant::Bits::Int8, 64};
-  const quant::Layout l = quant::layout(scheme, rows, cols);
-  std::vector<std::vector<float>> want;
-  for (std::size_t i = 0; i < n; ++i) {
-    std::vector<float> v(rows * cols);
-    for (std::size_t k = 0; k < v.size(); ++k)
-      v[k] = static_cast<float>((k * 7919 + i * 104729) % 1000) / 1000.0f - 0.5f;
-    TensorDesc d;
-    d.name = "layer" + std::to_string(i);
-    d.dtype = DType::F32;
-    d.shape = {rows, cols};
-    d.kind = TensorKind::Param;
-    d.compression = {Codec::Int8, scheme.group};
-    layers_.push_back(rt_->create_tensor(d, Tier::Nvme, v.data()));
-    std::vector<std::byte> packed(l.bytes);
-    quant::quantize(scheme, l, DType::F32, v.data(), packed.data(), d.name);
-    want.emplace_back(v.size());
-    quant::dequantize(scheme.bits, l, packed.data(), DType::F32, want.back().data(), 0, rows);
-  }
-  EXPECT_EQ(rt_->tensor_bytes(layers_[0], Tier::Host), l.bytes);
-  EXPECT_EQ(rt_->tensor_bytes(layers_[0], Tier::Device), rows * cols * sizeof(float));
-  PipelineOptions po;
-  po.across_iterations = false;
-  po.arrival_in_pieces = false;
-  PrefetchPipeline p(*rt_, po);
-  p.set_schedule(layer_order());
-  p.begin_iteration();
-  for (std::size_t s = 0; s < n; ++s) {
-    StepLeases in = p.begin_step("layer" + std::to_string(s), {{layers_[s], Access::Read}});
-    p.drain();
-    for (std::size_t k = s + 1; k < n; ++k)
-      ASSERT_TRUE(rt_->resident(layers_[k], Tier::Host)) << "during step " << s << ", layer " << k;
-    in[0].wait();
-    const float* got = in[0].as<const float>();
-    ASSERT_TRUE(std::equal(want[s].begin(), want[s].end(), got)) << "step " << s;
-    p.end_step(std::move(in));
-  }
-  p.end_iteration();
-  p.drain();
-  const PipelineStats st = p.stats();
-  EXPECT_EQ(st.host_prefetches, n - 1);
-  EXPECT_EQ(st.max_host_lookahead_steps, n - 1);
-  EXPECT_LE(st.max_host_window_bytes, rt_->tier_stats(Tier::Host).capacity_bytes);
-  rt_->synchronize();
-  EXPECT_EQ(rt_->transfer_stats().bytes_nvme_to_host, n * l.bytes);  // each read once
-}
-
 TEST_F(PrefetchPipelineTest, TheNextLayerArrivesInPiecesWhileTheCurrentOneComputes) {
   Budgets b;
   b.device = 384 * KiB;
