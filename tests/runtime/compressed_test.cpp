@@ -82,6 +82,10 @@ TEST_F(CompressedTest, AHostTensorIsStoredCompressedAndDequantizedIntoItsDeviceC
     const TensorId t = rt->create_tensor(weight("w", codec), Tier::Host, v.data());
     const std::uint64_t stored = quant::layout(scheme_of(codec), kRows, kCols).bytes;
     EXPECT_EQ(rt->tier_stats(Tier::Host).used_bytes, (stored + 4095) / 4096 * 4096);
+    EXPECT_EQ(rt->tensor_bytes(t, Tier::Host), stored);
+    EXPECT_EQ(rt->tensor_bytes(t, Tier::Nvme), stored);
+    EXPECT_EQ(rt->tensor_bytes(t, Tier::Device), sizeof(float) * v.size());
+    EXPECT_EQ(rt->tensor_bytes(t), sizeof(float) * v.size());
     const auto got = device_values(*rt, t);
     EXPECT_EQ(got, expected(v, codec));
     // Within half a step of the original: the step of this data is at most 0.5 / 15 (int4).
