@@ -2,7 +2,8 @@
 # GPU check: on a machine with an NVIDIA GPU, builds strata with -DSTRATA_CUDA=ON, runs the C++
 # suites (the CUDA typed suites run there instead of skipping), the Python suite twice (host
 # backend, then STRATA_TEST_BACKEND=cuda: leases, models, optimizer and activations as CUDA
-# tensors) and the GPU benchmarks, and ends with a summary. Nothing may skip: a skip on a GPU
+# tensors; ZeRO across ranks on NCCL with N = 1; the CUDA dequantization) and the GPU
+# benchmarks, and ends with a summary. Nothing may skip: a skip on a GPU
 # machine is a failure. Budget: under 8 minutes on the lent H200 (16 cores).
 #
 # A machine without a package registry (the lent one) gets the C++ dependencies from

@@ -62,6 +62,27 @@ def max_rel(a, b):
     return max((p - q).abs().max().item() / q.abs().max().item() for p, q in zip(a, b))
 
 
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.distributed.is_nccl_available()),
+    reason="needs a GPU and NCCL (the NCCL path runs in bench/gpu-check.sh)",
+)
+def test_nccl_on_one_gpu_trains_as_one_process_and_host_equals_nvme(tmp_path):
+    # The GPU check: torchrun on NCCL with the model on the GPU, N = 1. The offloaded
+    # states are the same either way (host, NVMe: bitwise); against single-process AdamW on the
+    # CPU within 1e-4 relative (cuBLAS and the CPU's BLAS round the matmuls differently).
+    for offload in ("host", "nvme"):
+        torchrun(
+            1, tmp_path / f"{offload}.pt", offload, STEPS, "--dist", "nccl", "--device", "cuda"
+        )
+    host, nvme = (torch.load(tmp_path / f"{o}.pt") for o in ("host", "nvme"))
+    assert host["error"] is None, host["error"]
+    assert all(torch.equal(p, q) for p, q in zip(host["params"], nvme["params"]))
+    ref = single_process(STEPS)
+    assert max_rel(host["params"], ref) <= 1e-4, max_rel(host["params"], ref)
+    total = sum(p.numel() for p in mlp().parameters())
+    assert host["offloaded"] == [total]
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_ranks_train_as_one_process_and_host_equals_nvme(n, tmp_path):
     for offload in ("host", "nvme"):

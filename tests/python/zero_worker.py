@@ -8,7 +8,9 @@ offloaded elements and, with --save, the optimizer's gathered state after the st
 --load starts from CKPT (parameters and optimizer state) instead of from the seed.
 --fail-rank R makes rank R's state I/O fail during the second step (io.faults).
 --hang-rank R makes rank R stop for twice the process group's --timeout before its second step:
-each rank records the error it raised (rank R's own peers are gone by then) and exits."""
+each rank records the error it raised (rank R's own peers are gone by then) and exits.
+--dist nccl --device cuda: the same on NCCL with the model and batches on the rank's GPU
+(bench/gpu-check.sh, N = 1); OUT's parameters are copied to the CPU."""
 
 import argparse
 import datetime
@@ -58,11 +60,16 @@ def main():
     ap.add_argument("--width", type=int, default=48)
     ap.add_argument("--hang-rank", type=int, default=-1)
     ap.add_argument("--timeout", type=float, default=60)
+    ap.add_argument("--dist", default="gloo", choices=["gloo", "nccl"])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = ap.parse_args()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+    dist.init_process_group(args.dist, timeout=datetime.timedelta(seconds=args.timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
-    model = mlp(args.width)
+    device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
+    if args.device == "cuda":
+        torch.cuda.set_device(device)
+    model = mlp(args.width).to(device)
     nvme = tempfile.mkdtemp(prefix=f"strata-zero-rank{rank}-")  # each rank its own directory
     kw = {
         "lr": 1e-2,
@@ -98,8 +105,8 @@ def main():
         if i == 1 and rank == args.hang_rank:
             time.sleep(2 * args.timeout)  # a rank that hangs: the others must not wait forever
         xs, ys = (
-            x[rank * per_rank : (rank + 1) * per_rank],
-            y[rank * per_rank : (rank + 1) * per_rank],
+            x[rank * per_rank : (rank + 1) * per_rank].to(device),
+            y[rank * per_rank : (rank + 1) * per_rank].to(device),
         )
         loss = torch.nn.functional.mse_loss(model(xs), ys)
         try:
@@ -121,7 +128,7 @@ def main():
     if rank == 0:
         torch.save(
             {
-                "params": [p.detach().clone() for p in model.parameters()],
+                "params": [p.detach().cpu().clone() for p in model.parameters()],
                 "losses": losses,
                 "offloaded": offloaded,
                 "error": error,
