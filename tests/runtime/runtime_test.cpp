@@ -475,6 +475,48 @@ TEST_F(RuntimeTest, AWriteBackTheHostCannotTakeGoesStraightToNvme) {
     EXPECT_EQ(contents(*rt, device[i]), device_data[i]) << "d" << i;
 }
 
+// Room on the host when every copy there is either leased or dirty, and NVMe, where the dirty
+// ones would go, is full: an error naming what was asked and why, not a wait. The wait was for
+// this request's own pins (the requester's NVMe copy, the victim being written back), which
+// end only when it does. Nothing is lost; with the lease gone, the acquire succeeds.
+TEST_F(RuntimeTest, RoomThatOnlyDirtyCopiesCouldMakeWithNvmeFullIsAnErrorNotAWait) {
+  Budgets b;
+  b.host = 4 * 64 * KiB + 256 * KiB;  // staging, then four 64 KiB copies
+  b.nvme = 256 * KiB;                 // four 64 KiB extents
+  auto rt = make(b);
+  std::vector<TensorId> on_nvme, on_host;
+  std::vector<std::vector<unsigned char>> host_data;
+  for (int i = 0; i < 4; ++i) {
+    const auto d = pattern(64 * KiB, i);
+    on_nvme.push_back(
+        rt->create_tensor(desc("n" + std::to_string(i), 64 * KiB), Tier::Nvme, d.data()));
+  }
+  for (int i = 0; i < 3; ++i) {
+    host_data.push_back(pattern(64 * KiB, 10 + i));
+    on_host.push_back(rt->create_tensor(desc("h" + std::to_string(i), 64 * KiB), Tier::Host,
+                                        host_data.back().data()));
+  }
+  Lease l0 = rt->acquire(on_nvme[0], Tier::Host, Access::Read).get();  // the fourth host copy
+  try {
+    rt->acquire(on_nvme[1], Tier::Host, Access::Read);
+    FAIL() << "placed a copy where only dirty copies could make room, and NVMe is full";
+  } catch (const OutOfMemoryError& e) {
+    EXPECT_EQ(e.tier(), "Host");
+    EXPECT_EQ(e.requested_bytes(), 64 * KiB);
+    const std::string what = e.what();
+    EXPECT_NE(what.find("\"n1\" cannot be placed on Host"), std::string::npos) << what;
+    EXPECT_NE(what.find("write-back found no room below"), std::string::npos) << what;
+    EXPECT_NE(what.find("Nvme"), std::string::npos) << what;
+  }
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_TRUE(rt->resident(on_host[i], Tier::Host)) << i;
+    EXPECT_EQ(contents(*rt, on_host[i]), host_data[i]) << i;
+  }
+  l0.release();
+  Lease l1 = rt->acquire(on_nvme[1], Tier::Host, Access::Read).get();  // n0's clean copy goes
+  EXPECT_EQ(leased_bytes(l1), pattern(64 * KiB, 1));
+}
+
 TEST_F(RuntimeTest, AWorkingSetThatCannotFitNamesTheLeasedTensors) {
   auto rt = make();
   const TensorId a = rt->create_tensor(desc("layer.a", 256 * KiB), Tier::Host);

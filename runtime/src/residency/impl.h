@@ -153,6 +153,8 @@ struct Runtime::Impl {
   void free_space(TensorState& t, Tier tier);
   std::vector<TensorState*> evictable(Tier tier, const TensorState& exclude);
   [[noreturn]] void out_of_memory(Tier tier, const TensorState& t);
+  // Free bytes on `tier`, and the largest free run.
+  std::pair<std::uint64_t, std::uint64_t> free_on(Tier tier);
   // Note [Compaction without the lock]: slides one unleased copy down into the hole before it,
   // copying with the lock released. False when no copy can slide.
   bool compact(std::unique_lock<std::mutex>& lock, Tier tier);
@@ -182,6 +184,10 @@ struct Runtime::Impl {
   void run_frames(std::unique_lock<std::mutex>& lock, std::vector<RoomFrame>& frames);
   // Pops frames down to `keep`, each marked victim Valid again (still dirty, still there).
   void unwind(std::vector<RoomFrame>& frames, std::size_t keep);
+  // In a catch of the OutOfMemoryError of t's room on `tier` with clean victims only: throws one
+  // for t on `tier` (what was asked) naming both it and `below`, the dirty victim's write-back
+  // that found no room.
+  [[noreturn]] void rethrow_for(const TensorState* t, Tier tier, std::exception_ptr below);
   void room_step(std::unique_lock<std::mutex>& lock, std::vector<RoomFrame>& frames);
   void evict_step(std::unique_lock<std::mutex>& lock, std::vector<RoomFrame>& frames);
 

@@ -4,6 +4,7 @@
 // frees and compacts; the write-backs are moves (moves.cpp). Blocks, releasing the lock while
 // it waits.
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -31,8 +32,11 @@ using namespace residency;  // NOLINT(google-build-using-namespace): the core's 
 // The frame on top is the one that can move next; the stack is at most five frames deep (room
 // on the device, a device victim, room on the host, a host victim, room on NVMe). An error
 // unwinds it: each victim marked Evicting is Valid again, still dirty and still there, so
-// nothing is lost. One error is caught on the way: out of memory while making room on the host
-// for a write-back makes that write-back go straight to NVMe (if there is NVMe).
+// nothing is lost. Two errors are caught on the way: out of memory while making room on the
+// host for a write-back makes that write-back go straight to NVMe (if there is NVMe); out of
+// memory below a request's own Room frame (no tier can take its dirty victim) leaves that frame
+// to clean victims only, and when those do not make room either, the error names what was asked
+// and the write-back's failure.
 struct Runtime::Impl::RoomFrame {
   enum class Kind : std::uint8_t { Room, Evict };
   // An Evict frame's progress.
@@ -42,8 +46,9 @@ struct Runtime::Impl::RoomFrame {
   Tier tier;
   Stage stage = Stage::Start;
   Tier target = Tier::Host;
-  bool marked = false;     // Evicting and pinned by this frame
-  bool host_room = false;  // a Room frame for the host is on top of this one, NVMe behind it
+  bool marked = false;      // Evicting and pinned by this frame
+  bool host_room = false;   // a Room frame for the host is on top of this one, NVMe behind it
+  bool clean_only = false;  // a Room frame whose dirty victim found no room below: clean ones
 };
 
 void Runtime::Impl::make_room(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier) {
@@ -59,6 +64,7 @@ void Runtime::Impl::evict_copy(std::unique_lock<std::mutex>& lock, TensorState& 
 }
 
 void Runtime::Impl::run_frames(std::unique_lock<std::mutex>& lock, std::vector<RoomFrame>& frames) {
+  std::exception_ptr below;  // a dirty victim's write-back found no room
   while (!frames.empty()) {
     try {
       if (frames.back().kind == RoomFrame::Kind::Room)
@@ -72,7 +78,16 @@ void Runtime::Impl::run_frames(std::unique_lock<std::mutex>& lock, std::vector<R
       while (k > 0 && !frames[k - 1].host_room)
         --k;
       if (k == 0) {
+        RoomFrame& root = frames.front();
+        if (frames.size() > 1 && root.kind == RoomFrame::Kind::Room && !root.clean_only) {
+          below = std::current_exception();
+          unwind(frames, 1);
+          frames.front().clean_only = true;
+          continue;
+        }
+        const RoomFrame asked = root;
         unwind(frames, 0);
+        if (below) rethrow_for(asked.t, asked.tier, below);
         throw;
       }
       unwind(frames, k);
@@ -86,6 +101,26 @@ void Runtime::Impl::run_frames(std::unique_lock<std::mutex>& lock, std::vector<R
       throw;
     }
   }
+}
+
+void Runtime::Impl::rethrow_for(const TensorState* t, Tier tier, std::exception_ptr below) {
+  std::string here, why;
+  try {
+    throw;
+  } catch (const Error& e) {
+    here = e.what();
+  }
+  try {
+    std::rethrow_exception(below);
+  } catch (const Error& e) {
+    why = e.what();
+  }
+  const auto [free, largest] = free_on(tier);
+  throw OutOfMemoryError(
+      std::string(to_string(tier)), t->bytes_on(tier), free, largest,
+      detail::concat("tensor \"", t->desc.name, "\" cannot be placed on ", to_string(tier),
+                     ": its clean copies do not make room (", here,
+                     "), and a dirty copy's write-back found no room below (", why, ")"));
 }
 
 void Runtime::Impl::unwind(std::vector<RoomFrame>& frames, std::size_t keep) {
@@ -117,6 +152,7 @@ void Runtime::Impl::room_step(std::unique_lock<std::mutex>& lock, std::vector<Ro
   // Copies still landing are shown to the policy too: if it would rather evict one of those,
   // wait for it to land; otherwise evict its choice now, without waiting for the link.
   auto candidates = evictable(tier, t);
+  if (f.clean_only) std::erase_if(candidates, [&](TensorState* c) { return dirty(*c, tier); });
   std::vector<TensorState*> landing;
   for (auto& [id, o] : tensors) {
     const Copy& c = o->copies[idx(tier)];
@@ -137,12 +173,20 @@ void Runtime::Impl::room_step(std::unique_lock<std::mutex>& lock, std::vector<Ro
     frames.push_back({RoomFrame::Kind::Evict, candidates[pick], tier});
     return;
   }
-  // Copies still arriving become evictable once they land; wait for them, else give up.
+  // Copies still arriving become evictable once they land; wait for them, else give up. The
+  // pins and evictions of this request's own tensors (the frames': the requester's source,
+  // victims being written back) end only when it does: waiting for them waited forever (an
+  // acquire on the host when the host held only dirty copies and NVMe was full).
+  const auto ours = [&](const TensorState* o) {
+    return std::any_of(frames.begin(), frames.end(),
+                       [&](const RoomFrame& fr) { return fr.t == o; });
+  };
   bool arriving = false;
   for (auto& [id, o] : tensors) {
     const Copy& c = o->copies[idx(tier)];
-    if (o.get() != &t && c.leases == 0 &&
-        (c.state == CopyState::Loading || c.state == CopyState::Evicting || c.pins > 0))
+    if (o.get() == &t || c.leases > 0) continue;
+    if (c.state == CopyState::Loading ||
+        (!ours(o.get()) && (c.state == CopyState::Evicting || c.pins > 0)))
       arriving = true;
   }
   if (!arriving) out_of_memory(tier, t);

@@ -80,7 +80,35 @@ std::vector<TensorState*> Runtime::Impl::evictable(Tier tier, const TensorState&
   return out;
 }
 
+std::pair<std::uint64_t, std::uint64_t> Runtime::Impl::free_on(Tier tier) {
+  if (MemoryPool* p = pool(tier)) {
+    const PoolStats s = p->stats();
+    return {s.free_bytes, s.largest_free_bytes};
+  }
+  if (tier == Tier::Nvme && swap) {
+    const RangeStats s = swap->stats();
+    return {s.free_bytes, s.largest_free_bytes};
+  }
+  return {0, 0};
+}
+
 void Runtime::Impl::out_of_memory(Tier tier, const TensorState& t) {
+  const auto [free, largest] = free_on(tier);
+  if (tier == Tier::Nvme) {  // the last tier: nothing there is evicted
+    std::uint64_t held = 0;
+    std::size_t count = 0;
+    for (auto& [id, other] : tensors)
+      if (other->copies[idx(Tier::Nvme)].extent != 0) {
+        held += other->stored;
+        ++count;
+      }
+    throw OutOfMemoryError(
+        "Nvme", t.bytes_on(tier), free, largest,
+        detail::concat("tensor \"", t.desc.name,
+                       "\" cannot be placed on NVMe, the last tier "
+                       "(nothing there is evicted): ",
+                       count, " tensors hold ", held, " bytes of it; raise nvme.capacity"));
+  }
   std::string leased;
   std::uint64_t leased_bytes = 0;
   for (auto& [id, other] : tensors) {
@@ -92,16 +120,6 @@ void Runtime::Impl::out_of_memory(Tier tier, const TensorState& t) {
                          other->bytes_on(tier), " bytes", c.leases ? ", leased" : ", in use", ")");
       leased_bytes += other->bytes_on(tier);
     }
-  }
-  std::uint64_t free = 0, largest = 0;
-  if (MemoryPool* p = pool(tier)) {
-    const PoolStats s = p->stats();
-    free = s.free_bytes;
-    largest = s.largest_free_bytes;
-  } else if (swap) {
-    const RangeStats s = swap->stats();
-    free = s.free_bytes;
-    largest = s.largest_free_bytes;
   }
   throw OutOfMemoryError(
       std::string(to_string(tier)), t.bytes_on(tier), free, largest,
