@@ -3,7 +3,10 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <cstdlib>
 #include <fstream>
+#include <future>
 #include <map>
 #include <mutex>
 
@@ -497,9 +500,23 @@ TEST_F(RuntimeTest, RoomThatOnlyDirtyCopiesCouldMakeWithNvmeFullIsAnErrorNotAWai
                                         host_data.back().data()));
   }
   Lease l0 = rt->acquire(on_nvme[0], Tier::Host, Access::Read).get();  // the fourth host copy
+  // The bug was a wait forever: bounded here, so that it comes back as a failure, not a hang.
+  auto asked = std::async(std::launch::async, [&] {
+    try {
+      rt->acquire(on_nvme[1], Tier::Host, Access::Read);
+    } catch (const OutOfMemoryError&) {
+      return std::current_exception();
+    }
+    return std::exception_ptr{};
+  });
+  if (asked.wait_for(std::chrono::seconds(60)) != std::future_status::ready) {
+    std::fprintf(stderr, "the acquire still waits after 60 s: room-making waits for itself\n");
+    std::abort();  // the waiting thread holds the runtime: no clean way out
+  }
   try {
-    rt->acquire(on_nvme[1], Tier::Host, Access::Read);
-    FAIL() << "placed a copy where only dirty copies could make room, and NVMe is full";
+    const std::exception_ptr e = asked.get();
+    ASSERT_TRUE(e) << "placed a copy where only dirty copies could make room, and NVMe is full";
+    std::rethrow_exception(e);
   } catch (const OutOfMemoryError& e) {
     EXPECT_EQ(e.tier(), "Host");
     EXPECT_EQ(e.requested_bytes(), 64 * KiB);

@@ -175,7 +175,10 @@ struct Runtime::Impl {
 
   // Makes space for t's copy on `tier`: a free block, else compaction when the free bytes would
   // hold it, else evictions (dirty victims written back first). Blocks; may release the lock.
-  void make_room(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier);
+  // `pinned`: the tier of t's copy the caller pinned meanwhile (its source), which making room
+  // does not wait for.
+  void make_room(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier,
+                 std::optional<Tier> pinned = std::nullopt);
   // Drops t's copy on `tier`, writing it back below first when it is dirty (to the host, or to
   // NVMe when the host cannot take it). Blocks; may release the lock.
   void evict_copy(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier);

@@ -109,7 +109,7 @@ Runtime::Impl::Chained Runtime::Impl::chain_through_host(std::unique_lock<std::m
         Copy& home = t.copies[idx(Tier::Nvme)];
         ++home.pins;
         try {
-          make_room(lock, t, Tier::Device);  // may wait: look again
+          make_room(lock, t, Tier::Device, Tier::Nvme);  // may wait: look again
         } catch (...) {
           unpin(home);
           throw;
@@ -222,7 +222,7 @@ void Runtime::Impl::ensure(std::unique_lock<std::mutex>& lock, TensorState& t, T
     const Tier src = source_for(t, tier);
     ++t.copies[idx(src)].pins;  // keep the source while room is made
     try {
-      make_room(lock, t, tier);
+      make_room(lock, t, tier, src);
     } catch (...) {
       unpin(t.copies[idx(src)]);
       throw;

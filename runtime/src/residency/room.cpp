@@ -5,6 +5,7 @@
 // it waits.
 
 #include <algorithm>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -46,14 +47,17 @@ struct Runtime::Impl::RoomFrame {
   Tier tier;
   Stage stage = Stage::Start;
   Tier target = Tier::Host;
-  bool marked = false;      // Evicting and pinned by this frame
-  bool host_room = false;   // a Room frame for the host is on top of this one, NVMe behind it
-  bool clean_only = false;  // a Room frame whose dirty victim found no room below: clean ones
+  bool marked = false;         // Evicting and pinned by this frame
+  bool host_room = false;      // a Room frame for the host is on top of this one, NVMe behind it
+  bool clean_only = false;     // a Room frame whose dirty victim found no room below: clean ones
+  std::optional<Tier> pinned;  // the root Room frame: the tier of t's copy its caller pinned
 };
 
-void Runtime::Impl::make_room(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier) {
+void Runtime::Impl::make_room(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier,
+                              std::optional<Tier> pinned) {
   std::vector<RoomFrame> frames;
   frames.push_back({RoomFrame::Kind::Room, &t, tier});
+  frames.back().pinned = pinned;
   run_frames(lock, frames);
 }
 
@@ -174,23 +178,34 @@ void Runtime::Impl::room_step(std::unique_lock<std::mutex>& lock, std::vector<Ro
     return;
   }
   // Copies still arriving become evictable once they land; wait for them, else give up. The
-  // pins and evictions of this request's own tensors (the frames': the requester's source,
-  // victims being written back) end only when it does: waiting for them waited forever (an
-  // acquire on the host when the host held only dirty copies and NVMe was full).
-  const auto ours = [&](const TensorState* o) {
-    return std::any_of(frames.begin(), frames.end(),
-                       [&](const RoomFrame& fr) { return fr.t == o; });
+  // pins and evictions this request holds itself (its caller's pin on the requester's source,
+  // the victims it is writing back) end only when it does: counted as arriving, they were
+  // waited for forever (an acquire on the host when the host held only dirty copies and NVMe
+  // was full). Another thread's pins and evictions are still waited for.
+  const RoomFrame& root = frames.front();
+  const auto own_pins = [&](const TensorState* o) {
+    unsigned n = o == root.t && root.pinned == tier ? 1 : 0;
+    for (const RoomFrame& fr : frames)
+      if (fr.marked && fr.t == o && fr.tier == tier) ++n;
+    return n;
+  };
+  const auto own_eviction = [&](const TensorState* o) {
+    return std::any_of(frames.begin(), frames.end(), [&](const RoomFrame& fr) {
+      return fr.marked && fr.t == o && fr.tier == tier;
+    });
   };
   bool arriving = false;
   for (auto& [id, o] : tensors) {
     const Copy& c = o->copies[idx(tier)];
     if (o.get() == &t || c.leases > 0) continue;
-    if (c.state == CopyState::Loading ||
-        (!ours(o.get()) && (c.state == CopyState::Evicting || c.pins > 0)))
+    if (c.state == CopyState::Loading || c.pins > own_pins(o.get()) ||
+        (c.state == CopyState::Evicting && !own_eviction(o.get())))
       arriving = true;
   }
   if (!arriving) out_of_memory(tier, t);
   room.wait(lock);
+  // Room may have come below too: dirty victims may go again.
+  frames.back().clean_only = false;
 }
 
 void Runtime::Impl::evict_step(std::unique_lock<std::mutex>& lock, std::vector<RoomFrame>& frames) {
