@@ -24,13 +24,13 @@ class Statistics final : public Observer {
     add(paths_[at(from)][at(to)], bytes);
   }
   void landed_compressed(TensorId, std::uint64_t stored_bytes, std::uint64_t bytes, Tier to,
-                         std::uint64_t start_ns, std::uint64_t end_ns) noexcept override {
+                         std::uint64_t dequant_ns) noexcept override {
     Counters& c = tiers_[at(to)];
     add(c.bytes_in_compressed, stored_bytes);
-    if (end_ns == 0) return;
+    if (to != Tier::Device) return;  // the host and NVMe keep the stored bytes
     add(c.dequantizations, 1);
     add(c.bytes_dequantized, bytes);
-    add(c.dequant_ns, end_ns - start_ns);
+    add(c.dequant_ns, dequant_ns);
   }
   void evicted(TensorId, std::uint64_t, Tier tier) noexcept override {
     add(tiers_[at(tier)].evictions, 1);

@@ -90,22 +90,14 @@ bool Runtime::Impl::prefetch_replacing(std::unique_lock<std::mutex>& lock, Tenso
     break;
   }
   Copy& d = t.copies[idx(Tier::Device)];
-  if (t.compressed()) {
-    // Note [Compressed copies]: from its host copy only (brought from NVMe first), dequantized
-    // whole; it does not arrive in pieces, so it needs free device room.
-    if (!t.current(Tier::Host)) {
-      // Note [A device prefetch does not wait for NVMe]: on its way, behind its host copy.
-      const Chained how = chain_through_host(lock, t, /*wait_for_room=*/false);
-      if (how != Chained::host_current) return how == Chained::started;
-      const Copy& now = t.copies[idx(Tier::Device)];
-      if (now.state == CopyState::Loading || t.current(Tier::Device)) return true;
-      if (!t.current(Tier::Host)) return false;
-    }
-    if (!try_alloc(t, Tier::Device)) return false;
-    start_load(lock, t, Tier::Device, Tier::Host);
-    d.last_use = ++clock;
-    run_after_unlock(lock);
-    return true;
+  // Note [Compressed copies]: a compressed tensor reaches the device from its host copy only,
+  // brought from NVMe first. Behind a host load it needs free device room (Note [A device
+  // prefetch does not wait for NVMe]); from a current host copy it arrives in pieces as any
+  // tensor does, each chunk whole rows dequantized (the chunk pipeline).
+  if (t.compressed() && !t.current(Tier::Host)) {
+    const Chained how = chain_through_host(lock, t, /*wait_for_room=*/false);
+    if (how != Chained::host_current) return how == Chained::started;
+    if (d.state == CopyState::Loading || t.current(Tier::Device)) return true;
   }
   const Tier src = source_for(t, Tier::Device);
   if (!try_alloc(t, Tier::Device)) {

@@ -41,11 +41,12 @@ Runtime::Impl::Way Runtime::Impl::way_across(Tier src, Tier dst) {
   return kWays[idx(src)][idx(dst)];
 }
 
-void Runtime::Impl::stream_span(std::atomic<std::uint64_t>& last, Track track,
-                                std::uint64_t enqueued, std::uint64_t bytes, TensorId id) {
+std::uint64_t Runtime::Impl::stream_span(std::atomic<std::uint64_t>& last, Track track,
+                                         std::uint64_t enqueued, std::uint64_t bytes, TensorId id) {
   const std::uint64_t end = steady_ns();
-  const std::uint64_t start = std::max(enqueued, last.exchange(end));
-  notify([&](Observer& o) { o.span(track, std::min(start, end), end, bytes, id); });
+  const std::uint64_t start = std::min(end, std::max(enqueued, last.exchange(end)));
+  notify([&](Observer& o) { o.span(track, start, end, bytes, id); });
+  return end - start;
 }
 
 void Runtime::Impl::copy_on_stream(TensorState& t, Tier dst, Tier src, std::uint64_t version) {
@@ -78,7 +79,7 @@ void Runtime::Impl::copy_on_stream(TensorState& t, Tier dst, Tier src, std::uint
       const std::uint64_t full = tp->desc.bytes;
       notify([&](Observer& o) {
         o.span(Track::Dequant, start, end, bytes, tp->id);
-        o.landed_compressed(tp->id, bytes, full, Tier::Device, start, end);
+        o.landed_compressed(tp->id, bytes, full, Tier::Device, end - start);
       });
       finish_move(*tp, dst, src, nullptr, version);
     });
@@ -108,7 +109,7 @@ void Runtime::Impl::one_io(TensorState& t, Tier dst, Tier src, std::uint64_t ver
     auto done = [=, this](std::exception_ptr e) {
       span(read ? Track::NvmeRead : Track::NvmeWrite, submitted, bytes, tp->id);
       if (!e && tp->compressed())
-        notify([&](Observer& o) { o.landed_compressed(tp->id, bytes, bytes, dst, 0, 0); });
+        notify([&](Observer& o) { o.landed_compressed(tp->id, bytes, bytes, dst, 0); });
       finish_move(*tp, dst, src, e, version);
     };
     if (read)

@@ -55,10 +55,11 @@ class Observer {
   }
   /// A compressed tensor's copy (Note [Compressed copies]) landed on `to` with `stored_bytes`
   /// moved (reported beside landed(), which counts the same bytes); on the device it was
-  /// dequantized into `bytes` over [start_ns, end_ns) (0, 0 elsewhere).
+  /// dequantized into `bytes`, the stream busy with that for `dequant_ns` (an arrival in pieces
+  /// sums its chunks'; 0 elsewhere). The trace has each dequantization's span.
   virtual void landed_compressed(TensorId tensor, std::uint64_t stored_bytes, std::uint64_t bytes,
-                                 Tier to, std::uint64_t start_ns, std::uint64_t end_ns) noexcept {
-    (void)tensor, (void)stored_bytes, (void)bytes, (void)to, (void)start_ns, (void)end_ns;
+                                 Tier to, std::uint64_t dequant_ns) noexcept {
+    (void)tensor, (void)stored_bytes, (void)bytes, (void)to, (void)dequant_ns;
   }
   /// The tensor's copy on `tier` was dropped to make room (or because it was asked to be).
   virtual void evicted(TensorId tensor, std::uint64_t bytes, Tier tier) noexcept {
