@@ -242,8 +242,11 @@ void Runtime::Impl::launch_chunk(const std::shared_ptr<Pipeline>& p, std::size_t
 
 void Runtime::Impl::chunk_done(std::unique_lock<std::mutex>& lock,
                                const std::shared_ptr<Pipeline>& p) {
-  const bool finished = p->in_flight == 0 && (p->error || p->done == p->chunks);
+  // Finished once: between this unlock and finish_move's lock, a claimed copy's release may look
+  // at the failed arrival again (finish_failed_arrival) and would finish it a second time.
+  const bool finished = !p->finished && p->in_flight == 0 && (p->error || p->done == p->chunks);
   if (finished) {
+    p->finished = true;
     std::erase(staging_waiters, p);
     for (std::byte* s : p->slots)
       staging_free.push_back(s);

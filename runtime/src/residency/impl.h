@@ -271,6 +271,7 @@ struct Runtime::Impl {
     std::vector<std::byte*> slots;  // staging slots held and free for the next chunk
     std::exception_ptr error;
     std::shared_ptr<Event> event;
+    bool finished = false;  // chunk_done finished it: finish_move runs once
   };
   // The way across for NVMe <-> device (and host -> device in pieces).
   void start_pipeline(TensorState& t, Tier dst, Tier src, std::uint64_t version);
