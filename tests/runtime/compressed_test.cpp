@@ -44,7 +44,12 @@ std::vector<float> values(std::uint32_t seed) {
 }
 
 quant::Scheme scheme_of(Codec codec) {
-  return {codec == Codec::Int4 ? quant::Bits::Int4 : quant::Bits::Int8, 64};
+  return quant::scheme_of({codec, 64});
+}
+
+// The bytes a [kRows, kCols] weight's host and NVMe copies hold.
+std::uint64_t stored_bytes(Codec codec) {
+  return quant::layout(scheme_of(codec), kRows, kCols).bytes;
 }
 
 // What the device copy must hold: the stored bytes of `v`, dequantized (strata::quant, whose
@@ -80,7 +85,7 @@ TEST_F(CompressedTest, AHostTensorIsStoredCompressedAndDequantizedIntoItsDeviceC
     auto rt = make();
     const auto v = values(1);
     const TensorId t = rt->create_tensor(weight("w", codec), Tier::Host, v.data());
-    const std::uint64_t stored = quant::layout(scheme_of(codec), kRows, kCols).bytes;
+    const std::uint64_t stored = stored_bytes(codec);
     EXPECT_EQ(rt->tier_stats(Tier::Host).used_bytes, (stored + 4095) / 4096 * 4096);
     EXPECT_EQ(rt->tensor_bytes(t, Tier::Host), stored);
     EXPECT_EQ(rt->tensor_bytes(t, Tier::Nvme), stored);
@@ -109,7 +114,7 @@ TEST_F(CompressedTest, FromNvmeItLandsOnTheHostFirstAndTheTraceShowsTheDequantiz
   auto rt = make();
   const auto v = values(2);
   const TensorId t = rt->create_tensor(weight("w", Codec::Int4), Tier::Nvme, v.data());
-  const std::uint64_t stored = quant::layout(scheme_of(Codec::Int4), kRows, kCols).bytes;
+  const std::uint64_t stored = stored_bytes(Codec::Int4);
   EXPECT_EQ(device_values(*rt, t), expected(v, Codec::Int4));
   rt->synchronize();
   const TransferStats x = rt->transfer_stats();
@@ -218,8 +223,8 @@ TEST_F(CompressedTest, ADevicePrefetchReturnsBeforeTheNvmeReadAndTheLandingCarri
   std::vector<TensorId> ids;
   for (std::uint32_t i = 0; i < 4; ++i) {
     v.push_back(values(20 + i));
-    ids.push_back(rt->create_tensor(weight("w" + std::to_string(i), Codec::Int8), Tier::Nvme,
-                                    v.back().data()));
+    ids.push_back(rt->create_tensor(weight(std::string("w") + std::to_string(i), Codec::Int8),
+                                    Tier::Nvme, v.back().data()));
   }
   for (const TensorId t : ids)
     EXPECT_NO_THROW(rt->prefetch(t, Tier::Device));
@@ -237,8 +242,7 @@ TEST_F(CompressedTest, ADevicePrefetchReturnsBeforeTheNvmeReadAndTheLandingCarri
   EXPECT_EQ(d.misses, 1u);
   rt->synchronize();
   EXPECT_EQ(rt->tier_stats(Tier::Device).dequantizations, 4u);
-  EXPECT_EQ(rt->transfer_stats().bytes_nvme_to_host,
-            4 * quant::layout(scheme_of(Codec::Int8), kRows, kCols).bytes);
+  EXPECT_EQ(rt->transfer_stats().bytes_nvme_to_host, 4 * stored_bytes(Codec::Int8));
 }
 
 TEST_F(CompressedTest, ADevicePrefetchMakesRoomAndAnAcquireJoinsTheMoveBehindTheRead) {
@@ -263,8 +267,7 @@ TEST_F(CompressedTest, ADevicePrefetchMakesRoomAndAnAcquireJoinsTheMoveBehindThe
   EXPECT_EQ(d.misses, 1u);  // a's
   EXPECT_EQ(d.dequantizations, 2u);
   EXPECT_EQ(rt->transfer_stats().bytes_nvme_to_host,
-            quant::layout(scheme_of(Codec::Int8), kRows, kCols).bytes +
-                quant::layout(scheme_of(Codec::Int4), kRows, kCols).bytes);
+            stored_bytes(Codec::Int8) + stored_bytes(Codec::Int4));
 }
 
 TEST_F(CompressedTest, ItArrivesInPiecesOverTheRoomOfTheCopyItReplaces) {
@@ -297,8 +300,8 @@ TEST_F(CompressedTest, ItArrivesInPiecesOverTheRoomOfTheCopyItReplaces) {
   const TierStats d = rt->tier_stats(Tier::Device);
   EXPECT_EQ(d.dequantizations, 2u);  // a's, and c's once (in two pieces)
   EXPECT_EQ(d.bytes_dequantized, 2 * sizeof(float) * vc.size());
-  const std::uint64_t stored_a = quant::layout(scheme_of(Codec::Int8), kRows, kCols).bytes;
-  const std::uint64_t stored_c = quant::layout(scheme_of(Codec::Int4), kRows, kCols).bytes;
+  const std::uint64_t stored_a = stored_bytes(Codec::Int8);
+  const std::uint64_t stored_c = stored_bytes(Codec::Int4);
   EXPECT_EQ(rt->transfer_stats().bytes_host_to_device, stored_a + stored_c);
 }
 

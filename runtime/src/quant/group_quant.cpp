@@ -232,6 +232,21 @@ inline void narrow_bf16(const float* __restrict wide, std::uint16_t* __restrict 
 
 enum class Out : std::uint8_t { f32, bf16, f16 };
 
+// Elements [i, n) of one group's run, one at a time: the SIMD loops' remainder.
+template <Out O>
+inline void group_tail(const std::uint8_t* c, float s, float m, void* out, std::uint64_t i,
+                       std::uint64_t n) {
+  for (; i < n; ++i) {
+    const float x = static_cast<float>(c[i]) * s + m;
+    if constexpr (O == Out::f32)
+      static_cast<float*>(out)[i] = x;
+    else if constexpr (O == Out::bf16)
+      static_cast<std::uint16_t*>(out)[i] = round_bf16(x);
+    else
+      static_cast<std::uint16_t*>(out)[i] = float_to_f16(x);
+  }
+}
+
 // One group's run into `out` (f32, bf16 or f16 elements), 16 at a time.
 template <Out O>
 __attribute__((target("avx512f"))) inline void group_avx512f(const std::uint8_t* __restrict c,
@@ -258,15 +273,7 @@ __attribute__((target("avx512f"))) inline void group_avx512f(const std::uint8_t*
                           _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     }
   }
-  for (; i < n; ++i) {
-    const float x = static_cast<float>(c[i]) * s + m;
-    if constexpr (O == Out::f32)
-      o32[i] = x;
-    else if constexpr (O == Out::bf16)
-      o16[i] = round_bf16(x);
-    else
-      o16[i] = float_to_f16(x);
-  }
+  group_tail<O>(c, s, m, out, i, n);
 }
 
 // As group_avx512f, 8 at a time, into f32 or bf16 (f16 needs F16C: the caller narrows).
@@ -294,13 +301,7 @@ __attribute__((target("avx2"))) inline void group_avx2(const std::uint8_t* __res
       _mm_storeu_si128(reinterpret_cast<__m128i*>(o16 + i), _mm256_castsi256_si128(p));
     }
   }
-  for (; i < n; ++i) {
-    const float x = static_cast<float>(c[i]) * s + m;
-    if constexpr (O == Out::f32)
-      o32[i] = x;
-    else
-      o16[i] = round_bf16(x);
-  }
+  group_tail<O>(c, s, m, out, i, n);
 }
 
 struct Job {

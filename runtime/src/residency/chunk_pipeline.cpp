@@ -13,7 +13,6 @@
 #include "strata/base/units.h"
 #include "strata/io/device_limits.h"
 #include "strata/io/pages.h"
-#include "strata/quant/group_quant.h"
 
 namespace strata {
 
@@ -139,13 +138,10 @@ void Runtime::Impl::copy_chunk_up(const std::shared_ptr<Pipeline>& p, std::uint6
   const std::uint64_t enqueued = steady_ns();
   std::uint64_t crossed = len;  // the bytes over the link
   if (p->row_out != 0) {        // Note [Compressed copies]: these rows' stored bytes, dequantized
-    quant::Layout rows = p->t->layout;
-    rows.rows = len / p->row_out;
-    rows.bytes = rows.rows * rows.row_stride;
-    crossed = rows.bytes;
+    const Stream::DequantJob job = dequant_rows(*p->t, len / p->row_out);
+    crossed = job.layout.bytes;
     try {
-      h2d.dequantize_async(p->device + offset, landing, rows.bytes,
-                           {quant::bits_of(p->t->desc.compression.codec), rows, p->t->desc.dtype});
+      h2d.dequantize_async(p->device + offset, landing, crossed, job);
     } catch (...) {  // refused at once (no scratch on CUDA): the chunk fails
       if (!p->error) p->error = std::current_exception();
       io_after_unlock_.push_back([this, p] {

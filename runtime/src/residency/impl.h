@@ -175,10 +175,10 @@ struct Runtime::Impl {
 
   // Makes space for t's copy on `tier`: a free block, else compaction when the free bytes would
   // hold it, else evictions (dirty victims written back first). Blocks; may release the lock.
-  // `pinned`: the tier of t's copy the caller pinned meanwhile (its source), which making room
-  // does not wait for.
+  // `keep`: t's copy there (a load's source) is pinned while room is made, and making room does
+  // not wait for that pin.
   void make_room(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier,
-                 std::optional<Tier> pinned = std::nullopt);
+                 std::optional<Tier> keep = std::nullopt);
   // Drops t's copy on `tier`, writing it back below first when it is dirty (to the host, or to
   // NVMe when the host cannot take it). Blocks; may release the lock.
   void evict_copy(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier);
@@ -242,6 +242,9 @@ struct Runtime::Impl {
   static Way way_across(Tier src, Tier dst);
   // Device <-> host: one copy on the h2d or d2h stream.
   void copy_on_stream(TensorState& t, Tier dst, Tier src, std::uint64_t version);
+  // Note [Compressed copies]: the dequantization of `rows` of compressed t's rows (all of them,
+  // or an arrival's piece: rows are self-contained).
+  static Stream::DequantJob dequant_rows(const TensorState& t, std::uint64_t rows);
   // Host <-> NVMe: one read or write of the whole extent.
   void one_io(TensorState& t, Tier dst, Tier src, std::uint64_t version);
   // Records a stream copy's span: it began when the previous work on its stream finished.

@@ -104,17 +104,9 @@ Runtime::Impl::Chained Runtime::Impl::chain_through_host(std::unique_lock<std::m
       if (!wait_for_room) {
         if (!try_alloc(t, Tier::Device)) return give_up();
       } else {
-        // Its NVMe copy is pinned while room is made, as ensure() pins a load's source: the
-        // tensor stays (no destroy meanwhile), whatever its host copy does.
-        Copy& home = t.copies[idx(Tier::Nvme)];
-        ++home.pins;
-        try {
-          make_room(lock, t, Tier::Device, Tier::Nvme);  // may wait: look again
-        } catch (...) {
-          unpin(home);
-          throw;
-        }
-        unpin(home);
+        // Its NVMe copy is kept while room is made, as a load's source is: the tensor stays (no
+        // destroy meanwhile), whatever its host copy does.
+        make_room(lock, t, Tier::Device, Tier::Nvme);  // may wait: look again
         continue;
       }
     }
@@ -219,15 +211,7 @@ void Runtime::Impl::ensure(std::unique_lock<std::mutex>& lock, TensorState& t, T
     }
     if (count) requested(t, tier, false);
     count = false;  // one request counts once, however often it loops
-    const Tier src = source_for(t, tier);
-    ++t.copies[idx(src)].pins;  // keep the source while room is made
-    try {
-      make_room(lock, t, tier, src);
-    } catch (...) {
-      unpin(t.copies[idx(src)]);
-      throw;
-    }
-    unpin(t.copies[idx(src)]);
+    make_room(lock, t, tier, source_for(t, tier));  // the source kept while room is made
     // make_room may have waited: another thread may have loaded the copy, or be loading it.
     // Start over rather than load into a copy that readers may already be using.
     const Copy& now = t.copies[idx(tier)];

@@ -54,11 +54,20 @@ struct Runtime::Impl::RoomFrame {
 };
 
 void Runtime::Impl::make_room(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier,
-                              std::optional<Tier> pinned) {
+                              std::optional<Tier> keep) {
   std::vector<RoomFrame> frames;
   frames.push_back({RoomFrame::Kind::Room, &t, tier});
-  frames.back().pinned = pinned;
-  run_frames(lock, frames);
+  frames.back().pinned = keep;
+  if (!keep) return run_frames(lock, frames);
+  Copy& kept = t.copies[idx(*keep)];
+  ++kept.pins;  // the load's source stays while room is made (and so does the tensor)
+  try {
+    run_frames(lock, frames);
+  } catch (...) {
+    unpin(kept);
+    throw;
+  }
+  unpin(kept);
 }
 
 void Runtime::Impl::evict_copy(std::unique_lock<std::mutex>& lock, TensorState& t, Tier tier) {
@@ -183,23 +192,19 @@ void Runtime::Impl::room_step(std::unique_lock<std::mutex>& lock, std::vector<Ro
   // waited for forever (an acquire on the host when the host held only dirty copies and NVMe
   // was full). Another thread's pins and evictions are still waited for.
   const RoomFrame& root = frames.front();
-  const auto own_pins = [&](const TensorState* o) {
-    unsigned n = o == root.t && root.pinned == tier ? 1 : 0;
-    for (const RoomFrame& fr : frames)
-      if (fr.marked && fr.t == o && fr.tier == tier) ++n;
-    return n;
-  };
-  const auto own_eviction = [&](const TensorState* o) {
-    return std::any_of(frames.begin(), frames.end(), [&](const RoomFrame& fr) {
-      return fr.marked && fr.t == o && fr.tier == tier;
-    });
+  const auto marked_here = [&](const TensorState* o) {  // this request's victims on this tier
+    return static_cast<unsigned>(std::count_if(
+        frames.begin(), frames.end(),
+        [&](const RoomFrame& fr) { return fr.marked && fr.t == o && fr.tier == tier; }));
   };
   bool arriving = false;
   for (auto& [id, o] : tensors) {
     const Copy& c = o->copies[idx(tier)];
     if (o.get() == &t || c.leases > 0) continue;
-    if (c.state == CopyState::Loading || c.pins > own_pins(o.get()) ||
-        (c.state == CopyState::Evicting && !own_eviction(o.get())))
+    const unsigned marked = marked_here(o.get());
+    const unsigned own_pins = marked + (o.get() == root.t && root.pinned == tier ? 1 : 0);
+    if (c.state == CopyState::Loading || c.pins > own_pins ||
+        (c.state == CopyState::Evicting && marked == 0))
       arriving = true;
   }
   if (!arriving) out_of_memory(tier, t);

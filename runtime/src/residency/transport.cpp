@@ -49,6 +49,13 @@ std::uint64_t Runtime::Impl::stream_span(std::atomic<std::uint64_t>& last, Track
   return end - start;
 }
 
+Stream::DequantJob Runtime::Impl::dequant_rows(const TensorState& t, std::uint64_t rows) {
+  quant::Layout l = t.layout;  // rows are self-contained: the first `rows` of them
+  l.rows = rows;
+  l.bytes = rows * l.row_stride;
+  return {quant::bits_of(t.desc.compression.codec), l, t.desc.dtype};
+}
+
 void Runtime::Impl::copy_on_stream(TensorState& t, Tier dst, Tier src, std::uint64_t version) {
   Copy& d = t.copies[idx(dst)];
   const Copy& s = t.copies[idx(src)];
@@ -62,9 +69,8 @@ void Runtime::Impl::copy_on_stream(TensorState& t, Tier dst, Tier src, std::uint
     if (!up)
       STRATA_FAIL(Errc::internal, "tensor \"", t.desc.name,
                   "\" is compressed: its device copy never goes down (it is read-only)");
-    const Stream::DequantJob job{quant::bits_of(t.desc.compression.codec), t.layout, t.desc.dtype};
     try {
-      stream.dequantize_async(d.ptr, s.ptr, bytes, job);
+      stream.dequantize_async(d.ptr, s.ptr, bytes, dequant_rows(t, t.layout.rows));
     } catch (...) {  // refused at once (no scratch on CUDA): the move ends, failed
       const std::exception_ptr e = std::current_exception();
       io_after_unlock_.push_back([=, this] { finish_move(*tp, dst, src, e, version); });
@@ -74,12 +80,9 @@ void Runtime::Impl::copy_on_stream(TensorState& t, Tier dst, Tier src, std::uint
     d.event = event;
     d.ready = true;
     stream.launch_host_func([this, tp, dst, src, version, enqueued, bytes] {
-      const std::uint64_t end = steady_ns();
-      const std::uint64_t start = std::min(end, std::max(enqueued, h2d_last_ns.exchange(end)));
-      const std::uint64_t full = tp->desc.bytes;
+      const std::uint64_t ns = stream_span(h2d_last_ns, Track::Dequant, enqueued, bytes, tp->id);
       notify([&](Observer& o) {
-        o.span(Track::Dequant, start, end, bytes, tp->id);
-        o.landed_compressed(tp->id, bytes, full, Tier::Device, end - start);
+        o.landed_compressed(tp->id, bytes, tp->desc.bytes, Tier::Device, ns);
       });
       finish_move(*tp, dst, src, nullptr, version);
     });
