@@ -269,8 +269,12 @@ bool Runtime::evict(TensorId id, Tier tier) {
   std::unique_lock lock(rt.mutex);
   TensorState& t = rt.get(id);
   Copy& c = t.copies[idx(tier)];
-  rt.settled.wait(lock,
-                  [&] { return c.state != CopyState::Loading && c.state != CopyState::Evicting; });
+  // One wait for both: waiting for the pins after the state, the copy could go meanwhile and a
+  // new load start into the same copy, which was then freed under that load (it landed as a
+  // Valid copy with no bytes: the compressed prefetch test under six threads caught it).
+  rt.settled.wait(lock, [&] {
+    return c.state != CopyState::Loading && c.state != CopyState::Evicting && c.pins == 0;
+  });
   if (!c.has_space()) return false;
   STRATA_EXPECTS(c.leases == 0, "evict \"", t.desc.name, "\" from ", to_string(tier),
                  ": it is leased there");
@@ -278,8 +282,6 @@ bool Runtime::evict(TensorId id, Tier tier) {
     STRATA_FAIL(Errc::invalid_argument, "evict \"", t.desc.name, "\" from ", to_string(tier),
                 ": it is the only copy and there is no tier below");
   }
-  rt.unpinned.wait(lock, [&] { return c.pins == 0; });
-  if (!c.has_space()) return false;
   const bool dirty = rt.dirty(t, tier);
   rt.evict_copy(lock, t, tier);
   return dirty;
