@@ -270,39 +270,39 @@ TEST_F(CompressedTest, ADevicePrefetchMakesRoomAndAnAcquireJoinsTheMoveBehindThe
             stored_bytes(Codec::Int8) + stored_bytes(Codec::Int4));
 }
 
-TEST_F(CompressedTest, ItArrivesInPiecesOverTheRoomOfTheCopyItReplaces) {
-  // Note [Arrival in pieces] with a compressed tensor: the device holds a's 75 KiB copy and
-  // 53 KiB free; c's copy is placed over both and lands in chunks of whole rows (81 rows, then
-  // 15), each dequantized from its own stored rows, the rest once a's lease ends.
+TEST_F(CompressedTest, AReplacingPrefetchNeedsFreeRoomAndChangesNothingWithout) {
+  // Note [Compressed copies]: a compressed tensor does not arrive in pieces. With a's copy
+  // leased and 53 KiB free, c's 75 KiB replacing prefetch says no and leaves a alone; once a's
+  // lease ends and its copy goes, it lands whole (one dequantization).
   Budgets b;
   b.device = 128 * KiB;
   auto rt = make(b);
   const auto va = values(40), vc = values(41);
   const TensorId a = rt->create_tensor(weight("a", Codec::Int8), Tier::Nvme, va.data());
   const TensorId c = rt->create_tensor(weight("c", Codec::Int4), Tier::Nvme, vc.data());
-  rt->prefetch(c, Tier::Host);  // its stored bytes on the host: the source of the pieces
+  rt->prefetch(c, Tier::Host);  // its stored bytes on the host
   rt->synchronize();
   Lease la = rt->acquire(a, Tier::Device, Access::Read).get();
   la.wait();
-  EXPECT_THROW(rt->prefetch(c, Tier::Device), OutOfMemoryError);  // no room the usual way
-  ASSERT_TRUE(rt->prefetch_replacing(c, {a}));
-  EXPECT_TRUE(rt->resident(c, Tier::Device));  // on its way
+  EXPECT_FALSE(rt->prefetch_replacing(c, {a}));
+  EXPECT_FALSE(rt->resident(c, Tier::Device));
+  EXPECT_TRUE(rt->resident(a, Tier::Device));
   const float* pa = la.as<const float>();
   EXPECT_TRUE(std::equal(pa, pa + va.size(), expected(va, Codec::Int8).begin()));
   la.release();
+  rt->evict(a, Tier::Device);
+  ASSERT_TRUE(rt->prefetch_replacing(c, {a}));
   EXPECT_EQ(device_values(*rt, c), expected(vc, Codec::Int4));
-  EXPECT_FALSE(rt->resident(a, Tier::Device));  // dropped for c
   rt->synchronize();
-  int pieces = 0;
+  int spans = 0;
   for (const TraceEvent& e : rt->telemetry().events())
-    if (e.tensor == c && e.track == Track::Dequant) ++pieces;
-  EXPECT_EQ(pieces, 2);
+    if (e.tensor == c && e.track == Track::Dequant) ++spans;
+  EXPECT_EQ(spans, 1);
   const TierStats d = rt->tier_stats(Tier::Device);
-  EXPECT_EQ(d.dequantizations, 2u);  // a's, and c's once (in two pieces)
+  EXPECT_EQ(d.dequantizations, 2u);
   EXPECT_EQ(d.bytes_dequantized, 2 * sizeof(float) * vc.size());
-  const std::uint64_t stored_a = stored_bytes(Codec::Int8);
-  const std::uint64_t stored_c = stored_bytes(Codec::Int4);
-  EXPECT_EQ(rt->transfer_stats().bytes_host_to_device, stored_a + stored_c);
+  EXPECT_EQ(rt->transfer_stats().bytes_host_to_device,
+            stored_bytes(Codec::Int8) + stored_bytes(Codec::Int4));
 }
 
 TEST_F(CompressedTest, AMappedFileOfStoredBytesIsDequantizedOnTheDevice) {

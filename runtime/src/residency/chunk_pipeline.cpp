@@ -41,12 +41,6 @@ void Runtime::Impl::start_pipeline(TensorState& t, Tier dst, Tier src, std::uint
   if (const auto a = arrivals.find(t.id); a != arrivals.end() && p->down) a->second.pipeline = p;
   if (src == Tier::Host) {  // Note [Arrival in pieces]: chunk k is copied once its room is held
     p->from_host = t.copies[idx(Tier::Host)].ptr;
-    if (t.compressed()) {  // whole rows a chunk: each dequantizes from its own stored rows
-      p->row_out = t.layout.cols * dtype_bytes(t.desc.dtype);
-      p->chunk = std::max<std::uint64_t>(1, p->chunk / p->row_out) * p->row_out;
-      p->chunks = static_cast<std::size_t>((p->bytes + p->chunk - 1) / p->chunk);
-      p->started.assign(p->chunks, false);
-    }
     p->max_in_flight = p->chunks;
     p->event = std::shared_ptr<Event>(backend->create_event());
   } else if (p->down) {
@@ -94,9 +88,7 @@ void Runtime::Impl::pump(const std::shared_ptr<Pipeline>& p) {
     if (k == p->chunks) return;  // the rest waits for room (Note [Arrival in pieces])
     std::byte* landing = nullptr;
     if (p->from_host != nullptr) {
-      const std::uint64_t at =
-          p->row_out != 0 ? k * p->chunk / p->row_out * p->t->layout.row_stride : k * p->chunk;
-      landing = const_cast<std::byte*>(p->from_host) + at;
+      landing = const_cast<std::byte*>(p->from_host) + k * p->chunk;
     } else if (p->host != nullptr) {
       landing = p->host + k * p->chunk;
     } else if (p->direct) {
@@ -136,24 +128,7 @@ void Runtime::Impl::copy_chunk_up(const std::shared_ptr<Pipeline>& p, std::uint6
                                   std::byte* landing, std::size_t len) {
   Stream& h2d = backend->h2d_stream();
   const std::uint64_t enqueued = steady_ns();
-  std::uint64_t crossed = len;  // the bytes over the link
-  if (p->row_out != 0) {        // Note [Compressed copies]: these rows' stored bytes, dequantized
-    const Stream::DequantJob job = dequant_rows(*p->t, len / p->row_out);
-    crossed = job.layout.bytes;
-    try {
-      h2d.dequantize_async(p->device + offset, landing, crossed, job);
-    } catch (...) {  // refused at once (no scratch on CUDA): the chunk fails
-      if (!p->error) p->error = std::current_exception();
-      io_after_unlock_.push_back([this, p] {
-        std::unique_lock lock(mutex);
-        --p->in_flight;
-        chunk_done(lock, p);
-      });
-      return;
-    }
-  } else {
-    h2d.copy_async(p->device + offset, landing, len, CopyKind::HostToDevice);
-  }
+  h2d.copy_async(p->device + offset, landing, len, CopyKind::HostToDevice);
   if (++p->enqueued == p->chunks && !p->error) {
     h2d.record(*p->event);
     Copy& d = p->t->copies[idx(Tier::Device)];
@@ -161,11 +136,9 @@ void Runtime::Impl::copy_chunk_up(const std::shared_ptr<Pipeline>& p, std::uint6
     d.ready = true;  // device leases may go out: the last copy is on the stream
     ready_cv.notify_all();
   }
-  h2d.launch_host_func([this, p, landing, enqueued, crossed, id = p->t->id] {
-    const std::uint64_t ns = stream_span(h2d_last_ns, p->row_out != 0 ? Track::Dequant : Track::H2D,
-                                         enqueued, crossed, id);
+  h2d.launch_host_func([this, p, landing, enqueued, len, id = p->t->id] {
+    stream_span(h2d_last_ns, Track::H2D, enqueued, len, id);
     std::unique_lock lock(mutex);
-    p->dequant_ns += p->row_out != 0 ? ns : 0;
     --p->in_flight;
     ++p->done;
     give_back_slot(p, landing);  // a staging slot, when the chunk came through one
@@ -256,12 +229,6 @@ void Runtime::Impl::chunk_done(std::unique_lock<std::mutex>& lock,
         h.ready = true;
         notify([&](Observer& o) { o.landed(p->t->id, p->bytes, p->src, Tier::Host); });
       }
-    }
-    if (p->row_out != 0 && !p->error) {
-      const TensorState& t = *p->t;
-      notify([&](Observer& o) {
-        o.landed_compressed(t.id, t.stored, t.desc.bytes, Tier::Device, p->dequant_ns);
-      });
     }
     // Slots freed: let waiting pipelines go.
     while (!staging_waiters.empty() && !staging_free.empty()) {

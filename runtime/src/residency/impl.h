@@ -242,9 +242,8 @@ struct Runtime::Impl {
   static Way way_across(Tier src, Tier dst);
   // Device <-> host: one copy on the h2d or d2h stream.
   void copy_on_stream(TensorState& t, Tier dst, Tier src, std::uint64_t version);
-  // Note [Compressed copies]: the dequantization of `rows` of compressed t's rows (all of them,
-  // or an arrival's piece: rows are self-contained).
-  static Stream::DequantJob dequant_rows(const TensorState& t, std::uint64_t rows);
+  // Note [Compressed copies]: the dequantization of compressed t's host copy.
+  static Stream::DequantJob dequant_job(const TensorState& t);
   // Host <-> NVMe: one read or write of the whole extent.
   void one_io(TensorState& t, Tier dst, Tier src, std::uint64_t version);
   // Records a stream copy's span: it began when the previous work on its stream finished.
@@ -266,9 +265,6 @@ struct Runtime::Impl {
     bool direct = false;        // Note [Direct NVMe to device]: landing in the device copy
     const std::byte* from_host = nullptr;  // Note [Arrival in pieces]: host -> device in chunks
     std::uint64_t bytes = 0, chunk = 0;
-    // Note [Compressed copies]: a compressed tensor's arrival in pieces dequantizes whole rows
-    // (`row_out` device bytes each, a chunk a whole number of them); its dequantization time.
-    std::uint64_t row_out = 0, dequant_ns = 0;
     std::size_t chunks = 0, launched = 0, enqueued = 0, done = 0, in_flight = 0, max_in_flight = 2;
     std::vector<bool> started;      // chunks launched (in order, except while room is arriving)
     std::vector<std::byte*> slots;  // staging slots held and free for the next chunk

@@ -49,11 +49,8 @@ std::uint64_t Runtime::Impl::stream_span(std::atomic<std::uint64_t>& last, Track
   return end - start;
 }
 
-Stream::DequantJob Runtime::Impl::dequant_rows(const TensorState& t, std::uint64_t rows) {
-  quant::Layout l = t.layout;  // rows are self-contained: the first `rows` of them
-  l.rows = rows;
-  l.bytes = rows * l.row_stride;
-  return {quant::bits_of(t.desc.compression.codec), l, t.desc.dtype};
+Stream::DequantJob Runtime::Impl::dequant_job(const TensorState& t) {
+  return {quant::bits_of(t.desc.compression.codec), t.layout, t.desc.dtype};
 }
 
 void Runtime::Impl::copy_on_stream(TensorState& t, Tier dst, Tier src, std::uint64_t version) {
@@ -70,7 +67,7 @@ void Runtime::Impl::copy_on_stream(TensorState& t, Tier dst, Tier src, std::uint
       STRATA_FAIL(Errc::internal, "tensor \"", t.desc.name,
                   "\" is compressed: its device copy never goes down (it is read-only)");
     try {
-      stream.dequantize_async(d.ptr, s.ptr, bytes, dequant_rows(t, t.layout.rows));
+      stream.dequantize_async(d.ptr, s.ptr, bytes, dequant_job(t));
     } catch (...) {  // refused at once (no scratch on CUDA): the move ends, failed
       const std::exception_ptr e = std::current_exception();
       io_after_unlock_.push_back([=, this] { finish_move(*tp, dst, src, e, version); });
