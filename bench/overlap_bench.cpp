@@ -19,8 +19,8 @@
 #include "bench_common.h"
 #include "gemm_compute.h"
 #include "strata/base/error.h"
-#include "strata/io/pages.h"
 #include "strata/base/units.h"
+#include "strata/io/pages.h"
 #include "strata/runtime/runtime.h"
 #include "strata/runtime/svg_timeline.h"
 #include "strata/runtime/telemetry.h"
@@ -40,7 +40,8 @@ struct Args {
   std::string backend = "auto";
   double link_gbps = 0;
   std::string prefetch = "auto";
-  int passes = 5;
+  int passes = 5;  // at least; more until each figure has run min_seconds
+  double min_seconds = tunables::kMinMeasureSeconds;
   double compute_ms = -1;  // default: compute_ratio x the measured transfer time of one layer
   double compute_ratio = 1.0;
   std::string compute = "copy";  // copy | gemm | both
@@ -120,6 +121,7 @@ struct ModeResult {
   ComputeMode mode = ComputeMode::Copy;
   double compute_s = 0, transfer_s = 0, step_s = 0;
   bool verified = true;
+  std::string warning;  ///< the roofline's, when its figures cannot be trusted
   nlohmann::json figures;
 };
 
@@ -354,17 +356,20 @@ void run(Args args) {
 
     std::vector<double> transfers, computes, steps;
     std::vector<PassResult> step_results, transfer_results;
-    for (int round = 0; round < args.passes; ++round) {
+    const MeasureRule rule{.min_rounds = args.passes, .min_seconds = args.min_seconds};
+    for (int round = 0; !rule.enough(round, {&transfers, &computes, &steps}); ++round) {
       transfer_results.push_back(pass(transfer_options, false));
       transfers.push_back(transfer_results.back().seconds);
       computes.push_back(compute_pass());
-      if (round + 1 == args.passes) rt.telemetry().clear();  // the trace shows the last step pass
+      rt.telemetry().clear();  // the trace shows the last step pass
       step_results.push_back(pass(step_options, true));
       steps.push_back(step_results.back().seconds);
       if (progress)
-        std::fprintf(stderr, "\r  %s round %d/%d: transfer %.3f s, compute %.3f s, step %.3f s   ",
-                     to_string(mode), round + 1, args.passes, transfers.back(), computes.back(),
-                     steps.back());
+        std::fprintf(
+            stderr,
+            "\r  %s round %d (at least %d): transfer %.3f s, compute %.3f s, step %.3f s   ",
+            to_string(mode), round + 1, args.passes, transfers.back(), computes.back(),
+            steps.back());
     }
     if (progress) std::fprintf(stderr, "\n");
     const std::size_t ti = median_index(transfers), si = median_index(steps);
@@ -373,7 +378,10 @@ void run(Args args) {
     res.step_s = steps[si];
     const PassResult& sr = step_results[si];
     const PassResult& tr = transfer_results[ti];
-    const double roofline = std::max(res.compute_s, res.transfer_s) / res.step_s;
+    const Roofline roof =
+        assess_roofline(res.compute_s, res.transfer_s, res.step_s, args.max_roofline);
+    const double roofline = roof.value;
+    res.warning = roof.warning;
     const double overlap =
         (res.compute_s + res.transfer_s - res.step_s) / std::min(res.compute_s, res.transfer_s);
     const PipelineStats& ps = sr.pipeline;
@@ -397,6 +405,9 @@ void run(Args args) {
         {"transfer_s", res.transfer_s},
         {"step_s", res.step_s},
         {"roofline", roofline},
+        {"figures_trusted", roof.trusted},
+        {"warning", roof.trusted ? nlohmann::json() : nlohmann::json(roof.warning)},
+        {"passes", static_cast<int>(steps.size())},
         {"overlap_efficiency", overlap},
         {"transfer_s_passes", transfers},
         {"compute_s_passes", computes},
@@ -441,7 +452,8 @@ void run(Args args) {
                               {"device_budget", rt.backend().info().budget_bytes},
                               {"link_gbps", args.link_gbps},
                               {"tier_state", "cold"},
-                              {"passes", args.passes},
+                              {"min_passes", args.passes},
+                              {"min_time_s", args.min_seconds},
                               {"peak_device_bytes", d1.peak_bytes}};
   out.update(common);
   for (std::size_t i = 1; i < results.size(); ++i)
@@ -496,12 +508,9 @@ void run(Args args) {
                       " did not match");
   }
   for (const ModeResult& r : results) {
-    try {
-      checked_roofline(r.compute_s, r.transfer_s, r.step_s, args.max_roofline);  // names them
-    } catch (const RooflineError& e) {
-      throw RooflineError(e.code(),
-                          std::string("overlap (") + to_string(r.mode) + "): " + e.what());
-    }
+    if (!r.warning.empty())
+      std::fprintf(stderr, "strata-bench overlap (%s): warning: %s\n", to_string(r.mode),
+                   r.warning.c_str());
   }
 }
 
@@ -522,8 +531,13 @@ void register_overlap(CLI::App& app) {
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--prefetch", args->prefetch, "none | auto | K (fixed lookahead)");
   cmd->add_option("--passes", args->passes,
-                  "measured rounds (each: a transfer, a compute and a step pass, all from cold)")
+                  "measured rounds (each: a transfer, a compute and a step pass, all from cold): "
+                  "at least this many, more until each figure has run for --min-time")
       ->check(CLI::Range(1, 1000));
+  cmd->add_option("--min-time", args->min_seconds,
+                  "seconds each figure's rounds add up to at least (default 1; 0: exactly "
+                  "--passes)")
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--compute-ms", args->compute_ms,
                   "compute per step with data resident (default: --compute-ratio x one layer's "
                   "transfer time)");
@@ -541,8 +555,8 @@ void register_overlap(CLI::App& app) {
                   "gemm: rows of the layer's weight matrix (default: the power of two nearest "
                   "below sqrt(layer floats))");
   cmd->add_option("--max-roofline", args->max_roofline,
-                  "refuse a roofline above this as a measurement error (default 1.02; a smoke "
-                  "run of a few milliseconds is no measurement)");
+                  "a roofline above this is a measurement error: the figures are marked "
+                  "untrusted (figures_trusted false, a warning) (default 1.02)");
   cmd->add_flag("--json", args->json, "print one JSON object");
   cmd->add_option("--trace", args->trace, "write the last pass as a Chrome trace");
   cmd->add_option("--svg", args->svg, "write the last pass as an SVG timeline");

@@ -74,13 +74,20 @@ int main(int argc, char** argv) {
   app.add_option("--host-budget", host_budget, "pinned host budget (default 64 MiB)");
   app.add_option("--backend", c.backend, "host (cuda: not yet, see README)");
   app.add_option("--prefetch", c.prefetch, "none | auto | K (layers ahead)");
-  app.add_option("--passes", c.passes, "timed passes, each from cold")->check(CLI::PositiveNumber);
+  app.add_option("--passes", c.passes,
+                 "timed passes, each from cold: at least this many, more until each figure has "
+                 "run for --min-time")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--min-time", c.min_seconds,
+                 "seconds each measured figure's passes add up to at least (default 1; 0: "
+                 "exactly --passes)")
+      ->check(CLI::NonNegativeNumber);
   app.add_flag("--reference", reference, "plain reads of every weight into memory, no strata");
   app.add_flag("--json", json, "print one JSON object");
   app.add_flag("--no-measure", no_measure, "skip measuring compute and transfer alone");
   app.add_option("--max-roofline", c.max_roofline,
-                 "refuse the figures when max(compute_s, transfer_s) / step_s is above this "
-                 "(default and largest: 1.02)")
+                 "mark the figures untrusted (a warning, figures_trusted false) when "
+                 "max(compute_s, transfer_s) / step_s is above this (default and largest: 1.02)")
       ->check(CLI::Range(0.0, kMaxRoofline));
   app.add_option("--compress", c.compress,
                  "int8 | int4: the weights compressed on the host and NVMe tiers (a cache beside "
@@ -140,42 +147,48 @@ int main(int argc, char** argv) {
     c.measure = !no_measure;
     const InferenceResult r = run_streamed(c);
     if (!output.empty()) write_output(output, r.output);
+    if (!r.figures_trusted)
+      std::fprintf(stderr, "stream_inference: warning: %s\n", r.warning.c_str());
     const double ratio =
         static_cast<double>(r.model.model_bytes) / static_cast<double>(r.device_budget);
     if (json) {
       std::printf("%s\n",
-                  nlohmann::json{{"mode", "streamed"},
-                                 {"layers", r.model.layers.size()},
-                                 {"model_bytes", r.model.model_bytes},
-                                 {"device_budget", r.device_budget},
-                                 {"host_budget", r.host_budget},
-                                 {"model_over_device", ratio},
-                                 {"batch", c.batch},
-                                 {"prefetch", c.prefetch},
-                                 {"passes", c.passes},
-                                 {"step_s", r.step_s},
-                                 {"step_runs_s", r.step_runs_s},
-                                 {"cpu_steal_s", r.cpu_steal_s},
-                                 {"host_prefetches", r.host_prefetches},
-                                 {"arrivals_in_pieces", r.arrivals_in_pieces},
-                                 {"blas_threads", openblas_get_num_threads()},
-                                 {"blas_thread_timeout", env_or_null("OPENBLAS_THREAD_TIMEOUT")},
-                                 {"compute_s", r.compute_s},
-                                 {"transfer_s", r.transfer_s},
-                                 {"roofline", r.roofline},
-                                 {"gbps_nvme_read", r.gbps_nvme_read},
-                                 {"bytes_nvme_read", r.bytes_nvme_read},
-                                 {"samples_per_s", r.samples_per_s},
-                                 {"output_checksum", output_checksum(r.output)},
-                                 {"passes_agree", r.passes_agree},
-                                 {"peak_device_bytes", r.peak_device_bytes},
-                                 {"compress", c.compress.empty() ? "none" : c.compress},
-                                 {"compressed_stored_bytes", r.compressed_stored_bytes},
-                                 {"compressed_full_bytes", r.compressed_full_bytes},
-                                 {"cache_rebuilt", r.cache_rebuilt},
-                                 {"cache_why", r.cache_why},
-                                 {"dequant_s", static_cast<double>(r.dequant_ns) / 1e9},
-                                 {"peak_rss_bytes", peak_rss_bytes()}}
+                  nlohmann::json{
+                      {"mode", "streamed"},
+                      {"layers", r.model.layers.size()},
+                      {"model_bytes", r.model.model_bytes},
+                      {"device_budget", r.device_budget},
+                      {"host_budget", r.host_budget},
+                      {"model_over_device", ratio},
+                      {"batch", c.batch},
+                      {"prefetch", c.prefetch},
+                      {"passes", r.passes_run},
+                      {"min_time_s", c.min_seconds},
+                      {"step_s", r.step_s},
+                      {"step_runs_s", r.step_runs_s},
+                      {"cpu_steal_s", r.cpu_steal_s},
+                      {"host_prefetches", r.host_prefetches},
+                      {"arrivals_in_pieces", r.arrivals_in_pieces},
+                      {"blas_threads", openblas_get_num_threads()},
+                      {"blas_thread_timeout", env_or_null("OPENBLAS_THREAD_TIMEOUT")},
+                      {"compute_s", r.compute_s},
+                      {"transfer_s", r.transfer_s},
+                      {"roofline", r.roofline},
+                      {"figures_trusted", r.figures_trusted},
+                      {"warning", r.warning.empty() ? nlohmann::json() : nlohmann::json(r.warning)},
+                      {"gbps_nvme_read", r.gbps_nvme_read},
+                      {"bytes_nvme_read", r.bytes_nvme_read},
+                      {"samples_per_s", r.samples_per_s},
+                      {"output_checksum", output_checksum(r.output)},
+                      {"passes_agree", r.passes_agree},
+                      {"peak_device_bytes", r.peak_device_bytes},
+                      {"compress", c.compress.empty() ? "none" : c.compress},
+                      {"compressed_stored_bytes", r.compressed_stored_bytes},
+                      {"compressed_full_bytes", r.compressed_full_bytes},
+                      {"cache_rebuilt", r.cache_rebuilt},
+                      {"cache_why", r.cache_why},
+                      {"dequant_s", static_cast<double>(r.dequant_ns) / 1e9},
+                      {"peak_rss_bytes", peak_rss_bytes()}}
                       .dump()
                       .c_str());
       return 0;
@@ -187,7 +200,7 @@ int main(int argc, char** argv) {
     std::printf(
         "forward pass %.4f s (median of %d, each from cold): compute alone %.4f s, "
         "transfer alone %.4f s, roofline %.2f; NVMe %.2f GB/s; %.1f samples/s\n",
-        r.step_s, c.passes, r.compute_s, r.transfer_s, r.roofline, r.gbps_nvme_read,
+        r.step_s, r.passes_run, r.compute_s, r.transfer_s, r.roofline, r.gbps_nvme_read,
         r.samples_per_s);
     std::printf(
         "output checksum %s; peak RSS %s; CPU stolen by the hypervisor in the passes %.3f s\n",

@@ -121,8 +121,9 @@ void check_input(const ModelSpec& m, const std::vector<float>& input, int batch)
 //      reused for every layer (what this replaced) measured a compute that no real pass can do.
 //   2. transfer-only: every layer through the same pipeline, nothing computed (transfer_s).
 //   3. the streamed pass (step_s).
-// The medians over the passes give compute_s, transfer_s and step_s; a roofline above
-// kMaxRoofline means one of them was mismeasured, and the figures are refused.
+// The medians over the passes give compute_s, transfer_s and step_s; the passes go on until each
+// has run long enough (Note [Measuring until the figures hold]), and a roofline above
+// kMaxRoofline still means one of them was mismeasured: the figures are marked untrusted.
 void flush_from_cpu_caches(const void* p, std::size_t bytes) {
 #if defined(__x86_64__) || defined(__i386__)
   const auto* c = static_cast<const char*>(p);
@@ -498,17 +499,21 @@ InferenceResult run_streamed(const InferenceConfig& c) {
   pass(true);  // warm-up: records the schedule
   // Timed pass k: compute-only, transfer-only, streamed, each from the same state; the
   // transfer-only pass runs just before the streamed one, so both see the disk in the same state
-  // (this machine's disk drifts by 20-30% from one second to the next).
+  // (this machine's disk drifts by 20-30% from one second to the next). Passes go on until each
+  // figure has run long enough (Note [Measuring until the figures hold]).
+  const MeasureRule rule{.min_rounds = c.passes, .min_seconds = c.min_seconds};
   std::vector<double> times, computes, transfers;
   std::uint64_t read_in_passes = 0;
-  for (int i = 0; i < c.passes; ++i) {
+  for (int i = 0;
+       !(c.measure ? rule.enough(i, {&times, &computes, &transfers}) : rule.enough(i, {&times}));
+       ++i) {
     if (c.measure) {
       auto [seconds, out] = compute_pass();
       computes.push_back(seconds);
       agree(std::move(out));
       transfers.push_back(pass(false).first);
     }
-    if (i + 1 == c.passes) rt.telemetry().clear();  // the trace shows the last pass
+    rt.telemetry().clear();  // the trace shows the last streamed pass
     const std::uint64_t read0 = rt.io()->stats().bytes_read;
     const double steal0 = cpu_steal_seconds();
     p.drain();  // the measuring passes' planning is over before the counts are taken
@@ -522,6 +527,7 @@ InferenceResult run_streamed(const InferenceConfig& c) {
     times.push_back(seconds);
     agree(std::move(out));
   }
+  r.passes_run = static_cast<int>(times.size());
   r.bytes_nvme_read = read_in_passes;
   double total = 0;
   for (double t : times)
@@ -538,10 +544,14 @@ InferenceResult run_streamed(const InferenceConfig& c) {
                        "stream_inference: " + std::to_string(m.layers.size()) + " layers, " +
                            format_bytes(m.model_bytes) + ", device budget " +
                            format_bytes(r.device_budget));
-  if (c.measure) {  // after the trace and SVG, which show what a refused figure came from
+  if (c.measure) {
     r.compute_s = median(computes);
     r.transfer_s = median(transfers);
-    r.roofline = checked_roofline(r.compute_s, r.transfer_s, r.step_s, c.max_roofline);
+    const strata::Roofline roof =
+        assess_roofline(r.compute_s, r.transfer_s, r.step_s, c.max_roofline);
+    r.roofline = roof.value;
+    r.figures_trusted = roof.trusted;
+    r.warning = roof.warning;
   }
   return r;
 }

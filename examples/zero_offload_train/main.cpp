@@ -53,6 +53,26 @@ nlohmann::json bound_json(const std::vector<StepPhases>& steps) {
           {"steps", steps.size()}};
 }
 
+// Which reference a run's losses equal bit for bit, and which they only approach (README, ZeRO
+// example): a run split into sub-groups sums the input gradient over them, in another order than
+// one sgemm over the whole layer.
+std::string reference_equal(const strata::examples::TrainConfig& c,
+                            const strata::examples::TrainResult& r) {
+  std::string same = "zero_offload_train --reference";
+  if (r.sub_groups > 1) same += " --sub-group-rows " + std::to_string(r.sub_group_rows);
+  return same + " --layers " + std::to_string(c.layers) + " --hidden " + std::to_string(c.hidden) +
+         " --batch " + std::to_string(c.batch) + " --steps " + std::to_string(c.steps) +
+         " (the same split, in plain memory)";
+}
+
+nlohmann::json reference_near(const strata::examples::TrainResult& r) {
+  if (r.sub_groups <= 1) return nullptr;  // unsplit: the bitwise reference is the unsplit one
+  return "the unsplit run (--reference --sub-group-rows 0): the input gradient summed over " +
+         std::to_string(r.sub_groups) +
+         " sub-groups rounds differently; losses within 1e-5 relative (tested), about 5e-9 "
+         "measured (1.0614401831877023 against 1.0614401885304392 at a 32 MiB host budget)";
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -99,9 +119,13 @@ int main(int argc, char** argv) {
         worst = k;
     const StepPhases& w = r.steps[worst];
     const double worst_ratio = w.step_s / w.bound_s();
-    if (worst_ratio < 1 / 1.02) {
+    // Below it, the figures are a measurement error: said on stderr and in the JSON, and the run
+    // (whose losses are right) still exits 0 (Note [Measuring until the figures hold]).
+    const bool trusted = worst_ratio >= 1 / 1.02;
+    if (!trusted) {
       std::fprintf(stderr,
-                   "zero_offload_train: measurement error: step %zu took %.6f s, below its own "
+                   "zero_offload_train: warning: measurement error, the timings cannot be trusted: "
+                   "step %zu took %.6f s, below its own "
                    "lower bound %.6f s (step / bound = %.3f < 1/1.02; forward part %.6f s = "
                    "max(prep %.6f + forward %.6f + loss %.6f, nvme %.6f, host_to_device %.6f, "
                    "device_to_host %.6f); backward part %.6f s = max(backward beside optimizer "
@@ -112,7 +136,6 @@ int main(int argc, char** argv) {
                    w.device_to_host.forward_s, w.backward_part_s(), w.backward_optimizer_s,
                    w.nvme.backward_s, w.host_to_device.backward_s, w.device_to_host.backward_s,
                    r.step_s, bound_s);
-      return 1;
     }
     if (json) {
       nlohmann::json out{
@@ -127,6 +150,8 @@ int main(int argc, char** argv) {
           {"host_budget", r.host_budget},
           {"sub_group_rows", r.sub_group_rows},
           {"sub_groups", r.sub_groups},
+          {"equals_bitwise", reference_equal(c, r)},
+          {"approaches", reference_near(r)},
           {"losses", r.losses},
           {"final_loss", r.losses.back()},
           {"step_s", r.step_s},
@@ -136,6 +161,7 @@ int main(int argc, char** argv) {
           {"bound", bound},
           {"step_vs_bound", step_vs_bound},
           {"step_vs_bound_min", worst_ratio},
+          {"figures_trusted", trusted},
           {"bytes_nvme_read", r.bytes_nvme_read},
           {"bytes_nvme_written", r.bytes_nvme_written},
           {"bytes_by_link",

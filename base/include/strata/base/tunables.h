@@ -54,4 +54,10 @@ inline constexpr std::size_t kTraceEvents = std::size_t{1} << 16;
 /// Iterations whose prefetch logs PrefetchPipeline keeps (a ring).
 inline constexpr std::size_t kPrefetchLogIterations = 64;
 
+// ---- measurements (MeasureRule: the benchmarks and the examples' figures) ----
+/// A figure's runs add up to at least this much wall time before its median is taken, and at
+/// most this many rounds are run (Note [Measuring until the figures hold]).
+inline constexpr double kMinMeasureSeconds = 1.0;
+inline constexpr int kMaxMeasureRounds = 500;
+
 }  // namespace strata::tunables
