@@ -396,3 +396,22 @@ def test_a_failed_state_io_is_reported_and_the_step_finished_once(fault, finishe
     for p, q in zip(models[0].parameters(), models[1].parameters()):
         assert torch.equal(p, q)
     assert opts[1].state_dict()["state"][0]["step"].item() == 8.0
+
+
+@pytest.mark.parametrize("first", ["_zero", "optim", "_runtimes", "_load", "_activations"])
+def test_each_module_of_the_package_imports_first_in_a_fresh_interpreter(first):
+    """No circle between strata.torch's modules (optim and _zero share in_pages from _runtimes):
+    whichever a user or a tool imports first, it imports."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    where = str(Path(strata.__file__).resolve().parent.parent)
+    done = subprocess.run(
+        [sys.executable, "-c", f"import strata.torch.{first}"],
+        env={"PYTHONPATH": where, "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr

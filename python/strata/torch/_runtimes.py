@@ -18,6 +18,14 @@ from .._runtime import Runtime
 
 Budget = Union[str, int]
 
+PAGE_BYTES = 4096
+"""A tier places a tensor in whole pages: what it takes of a budget is its bytes rounded up."""
+
+
+def in_pages(nbytes: int) -> int:
+    """`nbytes` rounded up to whole pages, as a tier's budget counts them."""
+    return -(-nbytes // PAGE_BYTES) * PAGE_BYTES
+
 
 def runtime_with_nvme(
     config: dict[str, Any],

@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from .._core import Access, Tier
 from .._errors import Error, InvalidArgumentError
+from ._runtimes import in_pages
 
 
 class DistributedError(Error):
@@ -351,10 +352,8 @@ class Zero:
 
     def state_bytes(self) -> int:
         """This rank's states in the host tier's pages (three fp32 rows a piece)."""
-        from .optim import _in_pages
-
         return sum(
-            _in_pages(12 * (piece.hi - piece.lo))
+            in_pages(12 * (piece.hi - piece.lo))
             for b in self.buckets
             for seg in b.segments
             for piece in seg.pieces

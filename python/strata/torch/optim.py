@@ -33,7 +33,7 @@ from .._core import Access, Tier
 from .._errors import InvalidArgumentError, NotFoundError, OutOfMemoryError
 from .._pipeline import PrefetchPipeline
 from .._runtime import Runtime, Tensor
-from ._runtimes import runtime_with_nvme
+from ._runtimes import in_pages, runtime_with_nvme
 
 _OFFLOAD = {"host": Tier.HOST, "nvme": Tier.NVME}
 # NVMe extents start on a stripe: small states (biases, norms) waste less with a small one.
@@ -80,10 +80,6 @@ class _States:
     pieces: list[_Piece]
     has_master: bool
     step: int = 0
-
-
-def _in_pages(nbytes: int) -> int:
-    return (nbytes + 4095) // 4096 * 4096
 
 
 def _piece_sizes(n: int, size: int) -> list[int]:
@@ -267,7 +263,7 @@ class _StrataAdam(torch.optim.Optimizer):
                 self._zero.state_bytes()
                 if self._zero is not None
                 else sum(
-                    _in_pages(4 * (2 if _own_master(p) else 3) * n)
+                    in_pages(4 * (2 if _own_master(p) else 3) * n)
                     for g in self.param_groups
                     for p in g["params"]
                     for n in _piece_sizes(p.numel(), self.sub_group_size)
