@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-from _pybench import status_bytes
+from _pybench import MemoryLimit, reset_peak_rss, status_bytes
 
 
 def drop_page_cache(paths: list[Path]) -> str:
@@ -75,7 +75,7 @@ def make_checkpoint(path: Path, args: argparse.Namespace) -> None:
         cmd = [sys.executable, __file__, "--child", "checkpoint", "--checkpoint", str(path)]
         for k in ("layers", "hidden", "intermediate", "heads", "vocab"):
             cmd += [f"--{k}", str(getattr(args, k))]
-        subprocess.run(cmd, check=True)
+        subprocess.run(cmd, check=True, stdout=sys.stderr)  # stdout is the JSON's alone
         return
     import torch
     import transformers
@@ -210,7 +210,12 @@ def child(args: argparse.Namespace) -> dict:
             out["dropped_by"] = how
         return out
 
-    result: dict = {"framework": args.child}
+    # The passes' own memory (activations, KV cache, logits) is the peak after loading over the
+    # RSS once loaded: the high-water mark is reset here (clear_refs 5), after the load's own
+    # transient peak (from_pretrained's copies) is kept.
+    load_peak = status_bytes("VmHWM")
+    reset_peak_rss()
+    result: dict = {"framework": args.child, "rss_loaded_bytes": status_bytes("VmRSS")}
     with torch.no_grad():
         model(ids)  # warm-up (strata records its pipeline here)
         logits = model(ids).logits
@@ -247,7 +252,8 @@ def child(args: argparse.Namespace) -> dict:
     result["tokens"] = cache["tokens"][0, -args.new_tokens :].tolist()
     result["rss_before_torch_bytes"] = base_rss
     result["rss_after_imports_bytes"] = import_rss
-    result["peak_rss_bytes"] = status_bytes("VmHWM")
+    result["peak_rss_after_load_bytes"] = status_bytes("VmHWM")
+    result["peak_rss_bytes"] = max(load_peak, result["peak_rss_after_load_bytes"])
     if rt is not None:
         result["pipeline"] = model.strata.stats()["pipeline"]
     return result
@@ -256,7 +262,12 @@ def child(args: argparse.Namespace) -> dict:
 # ---- the comparison ------------------------------------------------------------------------
 
 
-def run_child(kind: str, args: argparse.Namespace, checkpoint: Path) -> dict:
+def run_child(
+    kind: str, args: argparse.Namespace, checkpoint: Path, limit_bytes: int | None = None
+) -> dict:
+    """One framework in a fresh process; with `limit_bytes`, inside a memory cgroup of that size
+    (Note [Benchmarks under a memory limit] in _pybench.py). A child the kernel kills for memory
+    is a result too: {"oom": True, ...}."""
     compress = kind.removeprefix("strata_") if kind.startswith("strata_") else None
     cmd = [
         sys.executable,
@@ -279,10 +290,27 @@ def run_child(kind: str, args: argparse.Namespace, checkpoint: Path) -> dict:
         "--device",
         args.device,
     ]
-    out = subprocess.run(cmd, check=False, capture_output=True, text=True)
+    limit = MemoryLimit(limit_bytes, kind) if limit_bytes else None
+    try:
+        out = subprocess.run(
+            cmd,
+            check=False,
+            capture_output=True,
+            text=True,
+            preexec_fn=limit.preexec if limit else None,
+        )
+        peak = limit.peak_bytes() if limit else None
+    finally:
+        if limit:
+            limit.close()
+    if limit and out.returncode == -9:
+        return {"framework": kind, "oom": True, "cgroup_peak_bytes": peak}
     if out.returncode != 0:
         raise SystemExit(f"{kind} failed:\n{out.stderr[-4000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    if limit:
+        result["cgroup_peak_bytes"] = peak
+    return result
 
 
 def median(runs: list[dict], *keys: str) -> float:
@@ -308,6 +336,13 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument(
+        "--memory-limit",
+        choices=["both", "off", "only"],
+        default="both",
+        help="run strata and accelerate unconstrained (off), inside a memory cgroup of budget + "
+        "the measured fixed overhead (only), or both (default)",
+    )
     ap.add_argument("--child", choices=["reference", "strata", "accelerate", "checkpoint"])
     ap.add_argument("--checkpoint")
     ap.add_argument("--budget", type=int)
@@ -330,29 +365,49 @@ def main() -> None:
     args.budget = int(model_bytes * args.budget_fraction)
     rates = disk_gbps(checkpoint)
     strata_kinds = ["strata"] + [f"strata_{c}" for c in args.compress]
-    runs: dict[str, list[dict]] = {"reference": [], "accelerate": []}
-    runs.update({k: [] for k in strata_kinds})
-    runs["reference"].append(run_child("reference", args, checkpoint))
+    kinds = [*strata_kinds, "accelerate"]
+    ref = run_child("reference", args, checkpoint)
+    # The fixed overhead a process needs beside its budget: what the in-memory reference held
+    # beyond the weights at its peak during the passes (the interpreter, torch and
+    # transformers, the model's skeleton, activations, KV cache, logits). Its weights are all
+    # resident then (touched by the passes, mmapped or copied), so peak - model_bytes is the
+    # rest. The limited runs get budget + this, page cache included.
+    libraries = ref["rss_after_imports_bytes"]
+    overhead = max(libraries, ref["peak_rss_after_load_bytes"] - model_bytes)
+    passes_bytes = overhead - libraries
+    limit_bytes = args.budget + overhead
+    modes = {"off": [None], "only": [limit_bytes], "both": [None, limit_bytes]}[args.memory_limit]
+    try:
+        MemoryLimit(limit_bytes, "probe").close()
+        limit_error = None
+    except OSError as e:
+        limit_error = f"not run: {e}"
+        modes = [m for m in modes if m is None]
+    runs: dict[object, dict[str, list[dict]]] = {m: {k: [] for k in kinds} for m in modes}
     for r in range(args.rounds):
-        order = [*strata_kinds, "accelerate"]
-        order = order if r % 2 == 0 else order[::-1]
-        for kind in order:
-            runs[kind].append(run_child(kind, args, checkpoint))
-            print(f"round {r}: {kind} done", file=sys.stderr)
+        for m in modes:  # unconstrained and limited alternate within a round, kinds too
+            order = kinds if r % 2 == 0 else kinds[::-1]
+            for kind in order:
+                runs[m][kind].append(run_child(kind, args, checkpoint, m))
+                print(
+                    f"round {r}: {kind} {'limited' if m else 'unconstrained'} done", file=sys.stderr
+                )
     rates += disk_gbps(checkpoint)
-    # The roofline's io time uses the fastest read rate seen in the run, fio's or strata's own
-    # in any pass (this VM's disk drifts between 0.8 and 2 GB/s, and strata's many concurrent
-    # reads have beaten fio's): the most favourable bound for the disk, so the least favourable
-    # roofline for strata, and never one above 1 from a slow fio minute.
-    achieved = [
-        r[f"{phase}_{temp}"]["bytes_read"] / r[f"{phase}_{temp}"]["s"] / 1e9
-        for r in runs["strata"]
-        for phase in ("prefill", "decode")
-        for temp in ("cold", "warm")
-    ]
-    gbps = max(rates + achieved) if rates else 0.0
+    if None in runs:
+        # The roofline's io time uses the fastest read rate seen in the run, fio's or strata's
+        # own in any pass (this VM's disk drifts between 0.8 and 2 GB/s, and strata's many
+        # concurrent reads have beaten fio's): the most favourable bound for the disk, so the
+        # least favourable roofline for strata, and never one above 1 from a slow fio minute.
+        achieved = [
+            r[f"{phase}_{temp}"]["bytes_read"] / r[f"{phase}_{temp}"]["s"] / 1e9
+            for r in runs[None]["strata"]
+            for phase in ("prefill", "decode")
+            for temp in ("cold", "warm")
+        ]
+    else:
+        achieved = []
+    gbps = max(rates + achieved) if rates or achieved else 0.0
 
-    ref = runs["reference"][0]
     out: dict = {
         "checkpoint": str(checkpoint),
         "model_bytes": model_bytes,
@@ -372,10 +427,42 @@ def main() -> None:
             "generate_tokens_per_s": ref["generate_warm"]["tokens_per_s"],
             "peak_rss_bytes": ref["peak_rss_bytes"],
         },
+        "fixed_overhead_bytes": overhead,
+        "fixed_overhead_parts": {"libraries": libraries, "skeleton_and_passes": passes_bytes},
     }
-    for kind in (*strata_kinds, "accelerate"):
-        rs = runs[kind]
-        fig = {}
+    if None in runs:
+        out.update(figures(runs[None], kinds, strata_kinds, ref, gbps, args))
+    if limit_bytes in runs:
+        limited = figures(runs[limit_bytes], kinds, strata_kinds, ref, gbps, args)
+        limited["limit_bytes"] = limit_bytes
+        limited["limit"] = (
+            "budget + fixed_overhead_bytes, page cache included (Note [Benchmarks under a "
+            "memory limit] in bench/_pybench.py)"
+        )
+        out["memory_limited"] = limited
+    elif args.memory_limit != "off":
+        out["memory_limited"] = limit_error
+    print(json.dumps(out, indent=1))
+
+
+def figures(
+    runs: dict[str, list[dict]],
+    kinds: list[str],
+    strata_kinds: list[str],
+    ref: dict,
+    gbps: float,
+    args: argparse.Namespace,
+) -> dict:
+    """Per-framework medians, strata's speedups over accelerate, its roofline and the compressed
+    runs against full width, for one set of runs (unconstrained or under the memory limit)."""
+    out: dict = {}
+    for kind in kinds:
+        rs = [r for r in runs[kind] if not r.get("oom")]
+        ooms = len(runs[kind]) - len(rs)
+        if not rs:
+            out[kind] = {"oom_kills": ooms, "figures": "every run was killed for memory"}
+            continue
+        fig: dict = {"oom_kills": ooms}
         for phase in ("prefill", "decode"):
             for temp in ("cold", "warm"):
                 fig[f"{phase}_{temp}_s"] = median(rs, f"{phase}_{temp}", "s")
@@ -385,6 +472,8 @@ def main() -> None:
         for temp in ("cold", "warm"):
             fig[f"generate_{temp}_tokens_per_s"] = median(rs, f"generate_{temp}", "tokens_per_s")
         fig["peak_rss_bytes"] = median(rs, "peak_rss_bytes")
+        if "cgroup_peak_bytes" in rs[0]:
+            fig["cgroup_peak_bytes"] = median(rs, "cgroup_peak_bytes")
         fig["rss_after_imports_bytes"] = median(rs, "rss_after_imports_bytes")
         fig["same_logits_as_reference"] = all(
             r["logits_checksum"] == ref["logits_checksum"] for r in rs
@@ -392,6 +481,9 @@ def main() -> None:
         fig["same_tokens_as_reference"] = all(r["tokens"] == ref["tokens"] for r in rs)
         out[kind] = fig
     s, a = out["strata"], out["accelerate"]
+    if "prefill_cold_s" not in s or "prefill_cold_s" not in a:
+        out["speedup_strata_over_accelerate"] = "not comparable: a side was killed for memory"
+        return out
     out["speedup_strata_over_accelerate"] = {
         k: round(a[f"{k}_s"] / s[f"{k}_s"], 3)
         for k in ("prefill_cold", "prefill_warm", "decode_cold", "decode_warm")
@@ -404,26 +496,34 @@ def main() -> None:
     roof = {}
     for phase in ("prefill", "decode"):
         for temp in ("cold", "warm"):
-            rs = runs["strata"]
+            rs = [r for r in runs["strata"] if not r.get("oom")]
             step = median(rs, f"{phase}_{temp}", "s")
             io_s = median(rs, f"{phase}_{temp}", "bytes_read") / (gbps * 1e9) if gbps else 0.0
             compute = ref[f"{phase}_warm"]["s"]
             read = median(rs, f"{phase}_{temp}", "bytes_read")
-            roof[f"{phase}_{temp}"] = {
+            r = {
                 "roofline": round(max(compute, io_s) / step, 3),
                 "achieved_read_gbps": round(read / step / 1e9, 3),
                 "compute_s": round(compute, 4),
                 "io_s": round(io_s, 4),
                 "step_s": round(step, 4),
-                "bytes_read": median(rs, f"{phase}_{temp}", "bytes_read"),
+                "bytes_read": read,
+                "figures_trusted": True,
             }
-            if roof[f"{phase}_{temp}"]["roofline"] > 1.0:
-                roof[f"{phase}_{temp}"]["error"] = "above 1: a measurement error, not a result"
+            if r["roofline"] > 1.0:
+                r["figures_trusted"] = False
+                r["warning"] = (
+                    f"{phase} {temp}: roofline above 1: a measurement error, not a result"
+                )
+                print(f"hf-vs-accelerate: warning: {r['warning']}", file=sys.stderr)
+            roof[f"{phase}_{temp}"] = r
     out["strata_roofline"] = roof
     # Compressed offload against full width, same budget: the bytes the OS read per pass and
     # the time per pass (decode: one token, the I/O-bound regime).
     for c in args.compress:
         k = f"strata_{c}"
+        if "prefill_cold_s" not in out[k]:
+            continue
         cmp = {}
         for phase in ("prefill", "decode"):
             for temp in ("cold", "warm"):
@@ -440,7 +540,7 @@ def main() -> None:
         out[f"{k}_vs_full"] = cmp
     out["strata_rss_over_budget_bytes"] = s["peak_rss_bytes"] - args.budget
     out["strata_fixed_overhead_bytes"] = s["rss_after_imports_bytes"]
-    print(json.dumps(out, indent=1))
+    return out
 
 
 if __name__ == "__main__":
