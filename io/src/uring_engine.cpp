@@ -126,7 +126,10 @@ class UringEngine final : public IoEngine {
       std::lock_guard lock(mutex_);
       if (broken_.empty()) {
         incoming_.push_back(pending.release());
-        wake_engine = std::exchange(wake_needed_, false);  // Note [Waking the engine]
+        // Note [Waking the engine]: the engine thread itself (a completion callback) takes it
+        // before it next sleeps.
+        if (std::this_thread::get_id() != engine_id_)
+          wake_engine = std::exchange(wake_needed_, false);
       } else {
         stopped = broken_;
       }
@@ -167,6 +170,7 @@ class UringEngine final : public IoEngine {
 
   void run(std::promise<void>& started) {
     name_this_thread("io");
+    engine_id_ = std::this_thread::get_id();
     const unsigned entries = options().queue_depth + 2;  // chunks + the wake-up read
     const RingSetup setup = setup_ring(&ring_, entries, options().sqpoll);
     if (setup.rc < 0) {
@@ -291,7 +295,11 @@ class UringEngine final : public IoEngine {
   // request could take at once. When every slot is busy, the next completion wakes the engine,
   // and it takes the new requests then; a sequential stream kept 2 x qd deep at 512 KiB no
   // longer pays an eventfd write and an engine wake-up per request. Decided under mutex_ just
-  // before the engine sleeps, so a request is either seen by it or wakes it.
+  // before the engine sleeps, so a request is either seen by it or wakes it. A request submitted
+  // on the engine thread (from a completion callback) never wakes it: the loop takes incoming_
+  // and checks it again under mutex_ before it sleeps. A pipeline that submits the next request
+  // as one completes (strata-bench io, Note [Submitting from completions]) then runs on this
+  // thread alone, which on a VM with idle vCPUs is what reading at fio's rate took.
   bool may_sleep() {
     std::lock_guard lock(mutex_);
     if (!incoming_.empty() || !controls_.empty() || stopping_) return false;
@@ -558,6 +566,7 @@ class UringEngine final : public IoEngine {
   int broken_errno_ = 0;     // set with broken_, never changed after
   bool wake_needed_ = true;  // the engine may sleep without a wake-up from a submitter
   int wake_fd_ = -1;
+  std::thread::id engine_id_;  // set before the constructor returns, never changed after
 
   // engine thread only (describe() reads the setup facts after start-up)
   io_uring ring_{};
