@@ -69,22 +69,20 @@ void stamp(std::byte* block, std::size_t bytes, std::uint64_t offset) {
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // A pass keeps `slots` requests at the engine, and each completion submits the next block into
 // the slot it frees, from the completion callback, on the engine thread: in the steady state no
-// other thread runs, as in fio, one thread woken only by completions. The bench thread used to
-// keep the window full itself, woken when a quarter of it was free; on a 2-vCPU VM (Firecracker,
-// virtio disk) reads stayed at 0.83-0.95 of fio for the same requests, the same buffers and the
-// same kernel work (perf: equal io_uring and block events), and ran 15 % faster when `perf stat
-// -a` kept the vCPUs from halting: the loss was the wake-ups between the two threads on vCPUs
-// that had gone idle. The engine takes a request submitted from its own thread without a
-// wake-up (Note [Waking the engine] in uring_engine.cpp), so a chained submission costs a push
-// under an uncontended lock.
+// other thread runs, as in fio, one thread woken only by completions. The engine takes a request
+// submitted from its own thread without a wake-up (Note [Waking the engine] in uring_engine.cpp),
+// so a chained submission costs a push under an uncontended lock.
 //
-// A pass has `qd` buffers, one per request in flight, as fio has: with no thread to wake, a
-// window twice as deep bought nothing, and it cost reads. On the same VM, 512 KiB at qd 8 read
-// at 0.87-0.94 of fio (medians of 5-7 alternating runs) through 2 x qd buffers and 0.97-1.17
-// through qd; block traces (perf, block_rq_issue/complete) showed the guest's turnaround equal
-// to fio's (30-40 us from a batch's last completion to the next issue) and the host's service of
-// a batch slower: the host writes the data into guest memory, and 8 MiB of destinations stays
-// in its caches less than 4 MiB does.
+// A pass has `qd` buffers, one per request in flight, as fio has. The bench thread used to keep
+// a window of 2 x qd requests (and buffers) at the engine, woken when a quarter of it was free;
+// on a 2-vCPU VM (Firecracker, virtio disk) reads stayed at 0.83-0.95 of fio for the same request
+// sizes and the same kernel work (perf stat: equal io_uring and block events). Chaining from
+// completions alone left 512 KiB at qd 8 at 0.87 (median of 7 alternating runs); one buffer per
+// request in flight brought it to 0.97-1.17 (medians of 5-7). Block traces (perf record of
+// block_rq_issue/complete) showed why: the guest's turnaround was fio's (30-40 us from a batch's
+// last completion to the next issue), while the host served each batch of qd requests slower,
+// 1.7-1.95 ms against fio's 1.15-1.6 ms for the same 4 MiB: the host writes the data into guest
+// memory, and (our reading) 8 MiB of rotating destinations stays in its caches less than 4 MiB.
 class Feeder {
  public:
   using Target = std::function<std::pair<const File*, std::uint64_t>(std::uint64_t)>;
