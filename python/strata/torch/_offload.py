@@ -25,6 +25,7 @@ from .._pipeline import PrefetchPipeline
 from .._runtime import Lease, Runtime, Tensor
 from ._checkpoint import Checkpoint, MappedTensor, checkpoint_files, map_checkpoint
 from ._compress import Rule, compress_checkpoint
+from ._keys import KeyMap, checkpoint_keys
 from ._runtimes import Budget, make_runtime
 
 # Note [Blocks]
@@ -247,11 +248,12 @@ class Offloaded:
         )
 
 
-def _selector(module: nn.Module, tensors: Mapping[str, MappedTensor], rule: Rule | None) -> Rule:
+def _selector(
+    module: nn.Module, tensors: Mapping[str, MappedTensor], keys: KeyMap, rule: Rule | None
+) -> Rule:
     """Which checkpoint tensors to compress: parameters only (buffers are read on the host),
     those `rule` picks; by default the 2-D weights of linear layers (nn.Linear, transformers'
     Conv1D) that no embedding shares (a tied lm_head stays full width with its embedding)."""
-    prefix = getattr(module, "base_model_prefix", "") or ""
     # Per parameter object (tied ones are one): every name it goes by, and whether every use is
     # a linear layer's 2-D weight.
     names_of: dict[int, list[str]] = {}
@@ -267,7 +269,7 @@ def _selector(module: nn.Module, tensors: Mapping[str, MappedTensor], rule: Rule
             linear_use[id(p)] = linear_use.get(id(p), True) and is_linear
     linear: dict[str, bool] = {}  # checkpoint name -> compress by default
     for pid, names in names_of.items():
-        mapped = _resolve(names, tensors, prefix)
+        mapped = _resolve(names, tensors, keys)
         if mapped is not None:
             name = mapped.tensor.name
             linear[name] = linear.get(name, True) and linear_use[pid]
@@ -281,15 +283,68 @@ def _selector(module: nn.Module, tensors: Mapping[str, MappedTensor], rule: Rule
 
 
 def _resolve(
-    qualnames: Sequence[str], tensors: Mapping[str, MappedTensor], prefix: str
+    qualnames: Sequence[str], tensors: Mapping[str, MappedTensor], keys: KeyMap
 ) -> MappedTensor | None:
-    """The checkpoint tensor of a parameter known by `qualnames` (several when tied), trying
-    each with and without the model's base prefix (``model.``, ``transformer.``)."""
+    """The checkpoint tensor of a parameter known by `qualnames` (several when tied): the key
+    `keys` maps each name to (Note [Checkpoint keys]), or a tensor built for it."""
     for q in qualnames:
-        for name in (q, q.removeprefix(prefix + ".") if prefix else q, _join(prefix, q)):
-            if name in tensors:
-                return tensors[name]
+        key = keys.key_of(q, tensors)
+        if key is not None:
+            return tensors[key]
     return None
+
+
+# Note [Converted parameters]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A parameter transformers builds from several checkpoint tensors (Note [Checkpoint keys]: fused
+# experts) has no bytes in the files to map. offload() builds it once, before anything runs,
+# with transformers' own converter on the source tensors read through the host tier, and makes
+# it a tensor of the runtime homed on the host tier under the parameter's name (as the
+# optimizer's states are): from then on it is leased, prefetched and evicted like any weight,
+# written to the NVMe tier when the host budget is full (give nvme_dir for a large MoE model).
+# Its sources stay mapped and are never leased; it is not compressed (compress= picks tensors
+# of the files).
+
+
+def _build_conversions(
+    module: nn.Module,
+    keys: KeyMap,
+    tensors: Mapping[str, MappedTensor],
+    runtime: Runtime,
+    owned: list[Tensor],
+) -> dict[str, MappedTensor]:
+    """The tensors of the converted parameters (Note [Converted parameters]), added to `owned`
+    as they are made."""
+
+    def read(key: str) -> torch.Tensor:
+        m = tensors[key]
+        with runtime.acquire(m.tensor, Tier.HOST, Access.READ) as lease:
+            return torch.from_dlpack(lease).clone().view(m.tensor.shape)
+
+    built: dict[str, MappedTensor] = {}
+    for conversion in keys.conversions():
+        how = f"transformers' {conversion.describe()} ({conversion.keys[0]!r}, ...)"
+        try:
+            out = conversion.build(read, module)
+        except Exception as e:
+            raise InvalidArgumentError(f"parameter {conversion.first!r}: {how} failed: {e}") from e
+        path = tensors[conversion.keys[0]].path
+        for name in conversion.targets:
+            if name not in out:
+                raise NotFoundError(
+                    f"parameter {name!r}: {how} built {sorted(out)}, not it (in {str(path)!r})"
+                )
+            value = out[name].detach().contiguous()
+            try:
+                t = runtime.create_tensor(name, tuple(value.shape), value.dtype, Tier.HOST, value)
+            except OutOfMemoryError as e:
+                raise OutOfMemoryError(
+                    f"parameter {name!r}, built by {how}, needs {value.nbytes} bytes on the host "
+                    f"tier or NVMe: raise host_budget or give nvme_dir ({e})"
+                ) from e
+            owned.append(t)
+            built[name] = MappedTensor(t, path)
+    return built
 
 
 def _device_budget(runtime: Runtime) -> int:
@@ -330,7 +385,9 @@ def offload(
 
     `checkpoint` is a safetensors checkpoint (a directory, a file or a list of files; its
     tensors are mapped in place) or a mapping of parameter names to tensors already in
-    `runtime`. Names follow ``module.state_dict()``; tied parameters may appear once. `runtime`
+    `runtime`. Names follow ``module.state_dict()``, or for a transformers model the keys its
+    conversion mapping gives them (renames and fused tensors, Note [Checkpoint keys]; a fused one
+    is built once, Note [Converted parameters]); tied parameters may appear once. `runtime`
     defaults to a new one for `device` with the budgets (strings with units or bytes). `dtype`
     converts floating parameters as they are leased (default: the file's dtype). Persistent
     buffers found in the checkpoint are copied into the module once; the others stay as built.
@@ -356,6 +413,7 @@ def offload(
     else:
         tensors = map_checkpoint(runtime, checkpoint_files(checkpoint))
         owned = [m.tensor for m in tensors.values()]
+    keys = checkpoint_keys(module, tensors)
     report = None
     if compress is not None:
         if isinstance(checkpoint, Mapping):
@@ -365,7 +423,7 @@ def offload(
             tensors, report = compress_checkpoint(
                 runtime,
                 tensors,
-                _selector(module, tensors, compress_rule),
+                _selector(module, tensors, keys, compress_rule),
                 compress=compress,
                 group=compress_group,
                 cache_dir=Path(cache),
@@ -377,7 +435,7 @@ def offload(
             raise
         owned = [m.tensor for m in tensors.values()]
     try:
-        prefix = getattr(module, "base_model_prefix", "") or ""
+        tensors = {**tensors, **_build_conversions(module, keys, tensors, runtime, owned)}
         # Every name a parameter object goes by (tied weights have several).
         names_of: dict[int, list[str]] = {}
         for qualname, p in module.named_parameters(remove_duplicate=False):
@@ -389,15 +447,19 @@ def offload(
             index_of: dict[int, int] = {}
             for local, p in block_module.named_parameters(remove_duplicate=False):
                 qualnames = names_of[id(p)]
-                mapped = _resolve(qualnames, tensors, prefix)
+                mapped = _resolve(qualnames, tensors, keys)
                 if mapped is None:
                     raise NotFoundError(
                         f"parameter {qualnames[0]!r} {tuple(p.shape)} is in none of the "
-                        f"checkpoint's files ({_files(tensors)})"
+                        f"checkpoint's files ({_files(tensors)}): {keys.tried(qualnames[0])}"
                     )
                 if tuple(mapped.tensor.shape) != tuple(p.shape):
+                    conversion = keys.conversion_of(mapped.tensor.name)
+                    built = (
+                        f", built by transformers' {conversion.describe()}," if conversion else ""
+                    )
                     raise InvalidArgumentError(
-                        f"tensor {mapped.tensor.name!r} in {str(mapped.path)!r} has shape "
+                        f"tensor {mapped.tensor.name!r} in {str(mapped.path)!r}{built} has shape "
                         f"{tuple(mapped.tensor.shape)}, parameter {qualnames[0]!r} of the model "
                         f"{tuple(p.shape)}"
                     )
@@ -426,7 +488,7 @@ def offload(
                     f"{budget} bytes ({budget / 2**20:.1f} MiB): raise device_budget"
                 )
             found.append(block)
-        _copy_buffers(module, tensors, prefix, runtime, dev)
+        _copy_buffers(module, tensors, keys, runtime, dev)
     except BaseException:
         for t in owned:
             runtime.destroy(t)
@@ -449,7 +511,7 @@ def _files(tensors: Mapping[str, MappedTensor]) -> str:
 def _copy_buffers(
     module: nn.Module,
     tensors: Mapping[str, MappedTensor],
-    prefix: str,
+    keys: KeyMap,
     runtime: Runtime,
     device: torch.device,
 ) -> None:
@@ -460,7 +522,7 @@ def _copy_buffers(
         owner = module.get_submodule(owner_name)
         mapped = None
         if attr not in owner._non_persistent_buffers_set:
-            mapped = _resolve([qualname], tensors, prefix)
+            mapped = _resolve([qualname], tensors, keys)
         if mapped is not None:
             with runtime.acquire(mapped.tensor, Tier.HOST, Access.READ) as lease:
                 value = torch.from_dlpack(lease).clone().view(buf.shape).to(buf.dtype)
