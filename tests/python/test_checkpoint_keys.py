@@ -74,6 +74,12 @@ def _reference(path):
     return transformers.AutoModelForCausalLM.from_pretrained(path).eval().to(DEVICE)
 
 
+def _runtime(budget, nvme_dir):
+    # Swap on disk for the host-homed fused experts past the host budget (Note [Converted
+    # parameters]), sized for these models rather than make_runtime's default.
+    return st.make_runtime(DEVICE, budget, budget, nvme_dir, nvme_capacity="64MiB")
+
+
 def _ids(n=2, length=20):
     return torch.randint(0, VOCAB, (n, length), generator=torch.Generator().manual_seed(7))
 
@@ -84,9 +90,7 @@ def test_a_checkpoint_of_the_installed_transformers_gives_from_pretrained_logits
 ):
     path = checkpoints[family]
     budget = _third(path)
-    model = st.load_model(
-        path, device=DEVICE, device_budget=budget, host_budget=budget, nvme_dir=tmp_path
-    )
+    model = st.load_model(path, device=DEVICE, runtime=_runtime(budget, tmp_path))
     ref = _reference(path)
     ids = _ids().to(DEVICE)
     with torch.no_grad():
@@ -124,9 +128,7 @@ def test_fused_experts_are_built_once_from_the_per_expert_tensors(
 
     monkeypatch.setattr(_keys.Conversion, "build", counted)
     budget = _third(path)
-    model = st.load_model(
-        path, device=DEVICE, device_budget=budget, host_budget=budget, nvme_dir=tmp_path
-    )
+    model = st.load_model(path, device=DEVICE, runtime=_runtime(budget, tmp_path))
     with torch.no_grad():
         model.generate(_ids(1).to(DEVICE), max_new_tokens=4, do_sample=False)
     # gate_up_proj and down_proj of each of the 4 layers: each built once, at load.
@@ -138,6 +140,27 @@ def test_fused_experts_are_built_once_from_the_per_expert_tensors(
     assert "model.layers.2.mlp.experts.gate_up_proj" in [t.name for t in layer.tensors]
     gate_up = next(t for t in layer.tensors if t.name.endswith("gate_up_proj"))
     assert gate_up.shape == (4, 256, 96)
+
+
+@pytest.mark.parametrize("family", ["gpt_neox", "mixtral"])
+def test_compression_follows_the_mapped_keys(checkpoints, family, tmp_path):
+    # A renamed linear weight (GPT-NeoX's embed_out) is compressed under its checkpoint key; a
+    # fused one (Mixtral's experts) is built from the files at full width.
+    path = checkpoints[family]
+    model = st.load_model(
+        path,
+        device=DEVICE,
+        runtime=_runtime("4MiB", tmp_path),
+        compress="int8",
+        compress_cache=tmp_path,
+    )
+    layers = 5 if family == "gpt_neox" else 4
+    per_layer = 4  # GPT-NeoX: qkv, dense, h_to_4h, 4h_to_h; Mixtral: q, k, v, o
+    assert model.strata.compression.compressed_tensors == layers * per_layer + 1  # and the head
+    ids = _ids(1).to(DEVICE)
+    with torch.no_grad():
+        ours, theirs = model(ids).logits.flatten(), _reference(path)(ids).logits.flatten()
+    assert torch.nn.functional.cosine_similarity(ours, theirs, dim=0) > 0.999
 
 
 def test_experts_are_stacked_in_natural_order():

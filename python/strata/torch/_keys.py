@@ -89,11 +89,11 @@ class KeyMap:
         return out
 
     def key_of(self, name: str, present: Collection[str]) -> str | None:
-        """The checkpoint key of `name` among `present`; a converted name is its own key (the
-        caller keeps what the Conversion built under it). None when nothing holds it."""
+        """The checkpoint key of `name` among `present`; a converted name is its own key once
+        the caller keeps what the Conversion built under it. None when nothing holds it."""
         planned = self._plan.get(name)
         if isinstance(planned, Conversion):
-            return name
+            return name if name in present else None
         if planned is not None and planned in present:
             return planned
         return next((c for c in self._candidates(name) if c in present), None)
