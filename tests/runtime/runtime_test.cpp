@@ -9,6 +9,7 @@
 #include <future>
 #include <map>
 #include <mutex>
+#include <set>
 
 #include <nlohmann/json.hpp>
 
@@ -901,38 +902,90 @@ TEST_F(RuntimeTest, StatsAndTraceExport) {
   EXPECT_LE(stats["pinned_huge_page_bytes"].get<std::uint64_t>(),
             stats["pinned_bytes"].get<std::uint64_t>());
   EXPECT_GE(stats["io"]["bytes_read"].get<std::uint64_t>(), 128 * KiB);
-  const auto trace = nlohmann::json::parse(rt->telemetry().chrome_trace_json());
-  bool h2d = false, nvme = false, counter = false;
+  // The trace file, read back: Chrome/Perfetto trace JSON holding the events this run made.
+  const std::string path = dir_.file("trace.json");
+  rt->telemetry().write_chrome_trace(path);
+  std::ifstream in(path);
+  ASSERT_TRUE(in) << path;
+  const auto trace = nlohmann::json::parse(in);
+  ASSERT_TRUE(trace.contains("traceEvents") && trace["traceEvents"].is_array());
+  std::uint64_t h2d_bytes = 0, nvme_bytes = 0;
+  std::map<std::uint64_t, std::pair<double, double>> io_spans;  // id -> begin, end
+  double device_peak = 0;
+  std::set<std::string> tracks;
   for (const auto& e : trace["traceEvents"]) {
-    if (e["ph"] == "X" && e["tid"] == static_cast<int>(Track::H2D)) h2d = true;
-    if (e["ph"] == "b" && e["tid"] == static_cast<int>(Track::NvmeRead)) nvme = true;
-    if (e["ph"] == "C") counter = true;
+    ASSERT_TRUE(e.contains("ph") && e.contains("pid") && e.contains("name")) << e.dump();
+    const std::string ph = e["ph"];
+    if (ph == "M") {
+      if (e["name"] == "thread_name") tracks.insert(e["args"]["name"].get<std::string>());
+      continue;
+    }
+    ASSERT_TRUE(e.contains("ts") && e["ts"].is_number()) << e.dump();
+    if (ph == "X") {
+      ASSERT_GE(e["dur"].get<double>(), 0.0) << e.dump();
+      if (e["tid"] == static_cast<int>(Track::H2D)) {
+        EXPECT_EQ(e["args"]["tensor"], t) << e.dump();
+        h2d_bytes += e["args"]["bytes"].get<std::uint64_t>();
+      }
+    } else if (ph == "b" || ph == "e") {
+      ASSERT_EQ(e["tid"], static_cast<int>(Track::NvmeRead)) << "only reads ran: " << e.dump();
+      auto& span = io_spans[e["id"].get<std::uint64_t>()];
+      (ph == "b" ? span.first : span.second) = e["ts"].get<double>();
+      if (ph == "b") nvme_bytes += e["args"]["bytes"].get<std::uint64_t>();
+    } else if (ph == "C") {
+      if (e["name"] == "Device bytes")
+        device_peak = std::max(device_peak, e["args"]["used"].get<double>());
+    } else {
+      ADD_FAILURE() << "an event of an unknown phase: " << e.dump();
+    }
   }
-  EXPECT_TRUE(h2d);
-  EXPECT_TRUE(nvme);
-  EXPECT_TRUE(counter);
-  rt->telemetry().write_chrome_trace(dir_.file("trace.json"));
+  EXPECT_EQ(h2d_bytes, 128 * KiB);   // one copy up, of the whole tensor
+  EXPECT_EQ(nvme_bytes, 128 * KiB);  // read once from its NVMe home
+  ASSERT_FALSE(io_spans.empty());
+  for (const auto& [id, span] : io_spans)
+    EXPECT_LE(span.first, span.second) << "NVMe read " << id << " ends before it begins";
+  EXPECT_EQ(device_peak, static_cast<double>(128 * KiB));
+  EXPECT_TRUE(tracks.contains("host-to-device") && tracks.contains("nvme read"));
   EXPECT_THROW(rt->telemetry().write_chrome_trace("/nonexistent/trace.json"), IoError);
 }
 
 TEST(RuntimeConfig, ParsesTheDocumentedKeys) {
   TempDir dir;
+  // Every value differs from its default, so a key that is read into the wrong field, or not
+  // read at all, shows.
   const auto o = RuntimeOptions::from_json(R"({"backend": "host", "device_budget": "64MiB",
       "host_budget": "256MiB", "link_gbps": 25,
-      "nvme": {"paths": [")" + dir.path() + R"("], "capacity": "1GiB", "stripe": "1MiB"},
-      "io": {"engine": "posix", "block": "1MiB", "queue_depth": 8, "faults": ["read:3:eio"]},
+      "nvme": {"paths": [")" + dir.path() + R"(", ")" +
+                                           dir.path() + R"("], "capacity": "1GiB",
+               "stripe": "512KiB", "keep_files": true},
+      "io": {"engine": "posix", "block": "2MiB", "queue_depth": 8, "threads": 3,
+             "direct": false, "sqpoll": true, "faults": ["read:3:eio", "write:10:enospc"]},
       "checksums": false, "eviction": "farthest_next_use", "trace_events": 1024})");
   EXPECT_EQ(o.backend.kind, BackendKind::Host);
   EXPECT_EQ(o.backend.device_budget_bytes, 64 * MiB);
   EXPECT_EQ(o.host_budget_bytes, 256 * MiB);
   EXPECT_EQ(o.backend.link_gbps, 25.0);
+  EXPECT_EQ(o.nvme.paths, (std::vector<std::string>{dir.path(), dir.path()}));
   EXPECT_EQ(o.nvme.capacity_bytes, 1 * GiB);
+  EXPECT_EQ(o.nvme.stripe_bytes, 512 * KiB);
+  EXPECT_TRUE(o.nvme.keep_files);
   EXPECT_EQ(o.io.engine, EngineKind::Posix);
+  EXPECT_EQ(o.io.block_size, 2 * MiB);
   EXPECT_EQ(o.io.queue_depth, 8u);
-  EXPECT_EQ(o.io.faults.size(), 1u);
+  EXPECT_EQ(o.io.threads, 3u);
+  EXPECT_FALSE(o.io.direct);
+  EXPECT_TRUE(o.io.sqpoll);
+  ASSERT_EQ(o.io.faults.size(), 2u);
+  EXPECT_EQ(o.io.faults[0].op, FaultSpec::Op::Read);
+  EXPECT_EQ(o.io.faults[0].nth, 3u);
+  EXPECT_EQ(o.io.faults[0].kind, FaultSpec::Kind::Eio);
+  EXPECT_EQ(o.io.faults[1].op, FaultSpec::Op::Write);
+  EXPECT_EQ(o.io.faults[1].nth, 10u);
+  EXPECT_EQ(o.io.faults[1].kind, FaultSpec::Kind::Enospc);
   EXPECT_FALSE(o.checksums);
   EXPECT_FALSE(o.nvme.checksums);
   EXPECT_EQ(o.eviction, EvictionKind::FarthestNextUse);
+  EXPECT_EQ(o.trace_events, 1024u);
 }
 
 TEST(RuntimeConfig, RejectsBadDocumentsNamingTheKey) {
