@@ -35,7 +35,9 @@ def ctest_skips(log: Path):
     starts = list(_BLOCK.finditer(text))
     for n, m in enumerate(starts):
         block = text[m.end() : starts[n + 1].start() if n + 1 < len(starts) else len(text)]
-        skipped = re.search(r"Test Pass Reason:\s*\n\s*Skip (regular expression|return code)", block)
+        skipped = re.search(
+            r"Test Pass Reason:\s*\n\s*Skip (regular expression|return code)", block
+        )
         if not skipped and "\nTest Skipped" not in block and "Test Not Run" not in block:
             continue
         output = block.split("Output:", 1)[-1].split("<end of output>", 1)[0]
