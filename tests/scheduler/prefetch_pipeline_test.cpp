@@ -427,12 +427,12 @@ TEST_F(PrefetchPipelineTest, AFullDiskDuringStateWriteBackLosesNoUpdate) {
 }
 
 TEST_F(PrefetchPipelineTest, APacedLinkStaysBusy) {
-  // Host-homed layers over a 0.02 GB/s link: 128 KiB takes ~6.6 ms per copy. With prefetch the
+  // Host-homed layers over a 0.005 GB/s link: 128 KiB takes ~26 ms per copy. With prefetch the
   // h2d lane should have bytes in flight nearly all of the time between the first and last copy.
   Budgets b;
   b.host = 4 * MiB;
   auto o = small_options(dir_.path(), b);
-  o.backend.link_gbps = 0.02;
+  o.backend.link_gbps = 0.005;
   rt_ = std::make_unique<Runtime>(o);
   for (int i = 0; i < 24; ++i) {
     data_.push_back(pattern(128 * KiB, i));
@@ -450,8 +450,10 @@ TEST_F(PrefetchPipelineTest, APacedLinkStaysBusy) {
   // Before each step the driver waits (bounded) until the planner has issued the window up to
   // two steps ahead (the device holds four layers): whether the planner is ahead then does not
   // depend on how the threads are scheduled, and what is measured is whether the copies it
-  // issued are queued back to back on the link. The planner's next issue has ~3 copies (~20 ms,
-  // room for a thread slowed by a sanitizer) of queued link time to arrive in.
+  // issued are queued back to back on the link. The planner's next issue has ~3 queued copies
+  // (~80 ms of link time) to arrive in, thousands of times what an issue takes (microseconds),
+  // so a thread slowed by a sanitizer or a busy core still makes it: what is asserted is
+  // queueing, with a margin that does not hang on the machine's speed (issue 34 item 11).
   p.begin_iteration();
   for (std::size_t s = 0; s < layers_.size(); ++s) {
     const std::size_t want = std::min(layers_.size(), s + 3);
