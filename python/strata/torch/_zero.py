@@ -298,10 +298,24 @@ class Zero:
                     rows[:, lo:hi] = torch.from_dlpack(lease)
         return rows
 
+    def _all_steps(self) -> dict[int, int]:
+        """Every parameter's step, from the ranks that own its elements (a collective). A rank
+        counts the steps of the parameters it holds a segment of only (Note [Shards]), so one
+        rank's own count lacks the parameters that lie wholly in the other ranks' shards."""
+        device = self.buckets[0].params[0][1].device if self.buckets else torch.device("cpu")
+        counts = torch.zeros(len(self.index_of), dtype=torch.int64)
+        for index, n in self.steps.items():
+            counts[index] = n + 1  # 0: no rank has a state for the parameter
+        counts = counts.to(device)
+        with self._collective("all-reduce of the steps for state_dict()"):
+            dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.group)
+        return {i: int(n) - 1 for i, n in enumerate(counts.tolist()) if n > 0}
+
     def state_dict(self) -> dict[str, Any]:
         """torch.optim.AdamW's format, gathered whole on every rank (a collective: call it on
         all of them; save it from rank 0)."""
         state: dict[int, dict[str, torch.Tensor]] = {}
+        steps = self._all_steps()
         for b in self.buckets:
             device = b.params[0][1].device
             mine = self._shard_rows(b).to(device)
@@ -311,11 +325,11 @@ class Zero:
             whole = full.view(self.world, 3, b.shard).permute(1, 0, 2).reshape(3, b.size)
             whole = whole.to("cpu")
             for (index, p), off in zip(b.params, b.offsets):
-                if index not in self.steps:
+                if index not in steps:
                     continue
                 part = whole[:, off : off + p.numel()]
                 state[index] = {
-                    "step": torch.tensor(float(self.steps[index])),
+                    "step": torch.tensor(float(steps[index])),
                     "exp_avg": part[0].clone().view(p.shape),
                     "exp_avg_sq": part[1].clone().view(p.shape),
                 }
