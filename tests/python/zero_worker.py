@@ -13,6 +13,7 @@ each rank records the error it raised (rank R's own peers are gone by then) and 
 (bench/gpu-check.sh, N = 1); OUT's parameters are copied to the CPU."""
 
 import argparse
+import copy
 import datetime
 import faulthandler
 import json
@@ -60,6 +61,8 @@ def main():
     ap.add_argument("--width", type=int, default=48)
     ap.add_argument("--hang-rank", type=int, default=-1)
     ap.add_argument("--timeout", type=float, default=60)
+    ap.add_argument("--bucket-size", type=int, default=1000)
+    ap.add_argument("--save-at", type=int, default=-1, help="--save after this many steps")
     ap.add_argument("--dist", default="gloo", choices=["gloo", "nccl"])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = ap.parse_args()
@@ -76,7 +79,7 @@ def main():
         "weight_decay": 0.01,
         "offload": args.offload,
         "partition": True,
-        "bucket_size": 1000,
+        "bucket_size": args.bucket_size,
     }
     if args.offload == "nvme":
         kw["nvme_dir"] = nvme
@@ -101,6 +104,7 @@ def main():
         opt.load_state_dict(saved["optimizer"])
     per_rank = GLOBAL_BATCH // world
     losses, error = [], None
+    saved_state = saved_model = torch_copy = None
     for i, (x, y) in enumerate(batches(args.first + args.steps)[args.first :]):
         if i == 1 and rank == args.hang_rank:
             time.sleep(2 * args.timeout)  # a rank that hangs: the others must not wait forever
@@ -117,12 +121,24 @@ def main():
             break
         opt.zero_grad()
         losses.append(loss.item())
+        if args.save and i + 1 == args.save_at:  # a checkpoint mid-run (a collective)
+            saved_state = opt.state_dict()
+            saved_model = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+            torch_copy = copy.deepcopy(model) if rank == 0 else None  # as a user would
     if args.hang_rank >= 0:  # the process group is broken: each rank reports on its own
         with open(f"{args.out}.rank{rank}.json", "w") as f:
             json.dump({"error": error, "steps": len(losses)}, f)
         opt.close()
         exit_now()
-    state = opt.state_dict() if args.save and error is None else None
+    if args.save_at >= 0:
+        state = saved_state
+    else:
+        state = opt.state_dict() if args.save and error is None else None
+        saved_model = model.state_dict()
+    torch_next = None
+    if torch_copy is not None:  # torch.optim.AdamW resumes the checkpoint on the copy
+        # torch's load_state_dict keeps the state's tensors and steps them in place: a copy.
+        torch_next = torch_resumes(torch_copy, copy.deepcopy(state), args.first + args.save_at)
     offloaded = [None] * world
     dist.all_gather_object(offloaded, opt._zero.offloaded_elements)
     if rank == 0:
@@ -132,16 +148,28 @@ def main():
                 "losses": losses,
                 "offloaded": offloaded,
                 "error": error,
+                "torch_next": torch_next,
             },
             args.out,
         )
         if state is not None:
-            torch.save({"model": model.state_dict(), "optimizer": state}, args.save)
+            torch.save({"model": saved_model, "optimizer": state}, args.save)
     if args.fail_rank >= 0 and rank != 0:  # every rank saw the same error
         assert error is not None and f"rank {args.fail_rank} of {world}" in error, error
     opt.close()
     dist.destroy_process_group()
     exit_now()
+
+
+def torch_resumes(model, state, batch):
+    """One step of torch.optim.AdamW over `model` (rank 0's deep copy of the trained model)
+    from strata's gathered `state`, on the whole global batch `batch`: its parameters."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+    opt.load_state_dict(state)
+    x, y = batches(batch + 1)[batch]
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    return [p.detach().clone() for p in model.parameters()]
 
 
 def exit_now() -> None:

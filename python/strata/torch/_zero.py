@@ -335,6 +335,7 @@ class Zero:
                 }
                 if p.dtype != torch.float32:
                     state[index]["master"] = part[2].clone().view(p.shape)
+        state = {index: state[index] for index in sorted(state)}  # torch's order
         groups, index = [], 0
         for g in self.opt.param_groups:
             packed = {k: v for k, v in g.items() if k != "params"}
