@@ -184,9 +184,11 @@ def test_a_rank_whose_state_io_fails_makes_every_rank_raise_naming_it(tmp_path):
 
 def test_a_rank_that_hangs_makes_the_others_raise_after_the_timeout_set(tmp_path):
     out = tmp_path / "out"
-    torchrun(2, out, "host", 3, "--hang-rank", 1, "--timeout", 4)
+    # 30 s is many times any wait of a healthy run (steps of milliseconds, the ranks in step), so
+    # only the hang can trip it; rank 1 hangs until rank 0 has reported, not for a fixed time.
+    torchrun(2, out, "host", 3, "--hang-rank", 1, "--timeout", 30)
     reports = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
-    # Rank 0 waited in the first collective of step 2 for the process group's 4 s, then raised
+    # Rank 0 waited in the first collective of step 2 for the process group's 30 s, then raised
     # naming it; rank 1, back from its stop, found its peer gone and raised too.
     for r, report in enumerate(reports):
         assert report["steps"] == 1, report

@@ -7,8 +7,9 @@ Rank 0 writes OUT (torch.save): the parameters after the steps, the losses, each
 offloaded elements and, with --save, the optimizer's gathered state after the steps to CKPT.
 --load starts from CKPT (parameters and optimizer state) instead of from the seed.
 --fail-rank R makes rank R's state I/O fail during the second step (io.faults).
---hang-rank R makes rank R stop for twice the process group's --timeout before its second step:
-each rank records the error it raised (rank R's own peers are gone by then) and exits.
+--hang-rank R makes rank R stop before its second step until every other rank has raised its
+timeout and written its report (a wait on those files, capped at 20 x --timeout, not a fixed
+sleep): each rank records the error it raised (rank R's own peers are gone by then) and exits.
 --dist nccl --device cuda: the same on NCCL with the model and batches on the rank's GPU
 (bench/gpu-check.sh, N = 1); OUT's parameters are copied to the CPU."""
 
@@ -106,8 +107,8 @@ def main():
     losses, error = [], None
     saved_state = saved_model = torch_copy = None
     for i, (x, y) in enumerate(batches(args.first + args.steps)[args.first :]):
-        if i == 1 and rank == args.hang_rank:
-            time.sleep(2 * args.timeout)  # a rank that hangs: the others must not wait forever
+        if i == 1 and rank == args.hang_rank:  # a rank that hangs: the others must not wait forever
+            wait_for_reports(args.out, [r for r in range(world) if r != rank], 20 * args.timeout)
         xs, ys = (
             x[rank * per_rank : (rank + 1) * per_rank].to(device),
             y[rank * per_rank : (rank + 1) * per_rank].to(device),
@@ -126,8 +127,9 @@ def main():
             saved_model = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
             torch_copy = copy.deepcopy(model) if rank == 0 else None  # as a user would
     if args.hang_rank >= 0:  # the process group is broken: each rank reports on its own
-        with open(f"{args.out}.rank{rank}.json", "w") as f:
+        with open(f"{args.out}.rank{rank}.json.tmp", "w") as f:
             json.dump({"error": error, "steps": len(losses)}, f)
+        os.replace(f"{args.out}.rank{rank}.json.tmp", f"{args.out}.rank{rank}.json")
         opt.close()
         exit_now()
     if args.save_at >= 0:
@@ -159,6 +161,15 @@ def main():
     opt.close()
     dist.destroy_process_group()
     exit_now()
+
+
+def wait_for_reports(out, ranks, cap_s):
+    """Block until each of `ranks` has written its report (its timeout raised), or `cap_s`."""
+    deadline = time.monotonic() + cap_s
+    while not all(os.path.exists(f"{out}.rank{r}.json") for r in ranks):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the other ranks wrote no report in {cap_s:.0f} s")
+        time.sleep(0.05)
 
 
 def torch_resumes(model, state, batch):
