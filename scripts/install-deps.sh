@@ -9,6 +9,7 @@ packages=(
   libcli11-dev nlohmann-json3-dev libopenblas-dev
   clang libclang-rt-14-dev
   fio
+  e2fsprogs mount  # mkfs.ext4 and losetup: CI's loop-mounted disk where /var/tmp is on none
 )
 missing=()
 for p in "${packages[@]}"; do
