@@ -112,8 +112,11 @@ def load_deepspeed():
     builder = AsyncIOBuilder()
     if not builder.is_compatible(verbose=False):
         unavailable("DeepSpeed's async_io op cannot be built here (libaio headers missing)")
-    print("loading DeepSpeed's async_io op (DeepSpeed builds it on first use: minutes)...",
-          file=sys.stderr, flush=True)
+    print(
+        "loading DeepSpeed's async_io op (DeepSpeed builds it on first use: minutes)...",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         aio = builder.load(verbose=False)
     except Exception as e:  # noqa: BLE001 - any build or load failure means "not available"
@@ -128,15 +131,31 @@ def deepspeed_configs(constants) -> dict[str, dict]:
         "queue_depth": constants.AIO_QUEUE_DEPTH_DEFAULT,
         "single_submit": constants.AIO_SINGLE_SUBMIT_DEFAULT,
         "overlap_events": constants.AIO_OVERLAP_EVENTS_DEFAULT,
-        "intra_op_parallelism": getattr(constants, "AIO_INTRA_OP_PARALLELISM_DEFAULT",
-                                        getattr(constants, "AIO_THREAD_COUNT_DEFAULT", 1)),
+        "intra_op_parallelism": getattr(
+            constants,
+            "AIO_INTRA_OP_PARALLELISM_DEFAULT",
+            getattr(constants, "AIO_THREAD_COUNT_DEFAULT", 1),
+        ),
     }
     return {"1MiB_qd16": {**zero, "block_size": MIB, "queue_depth": QD}, "zero_default": zero}
 
 
 def strata_pass(bench: str, rw: str, bs: int, size: int, directory: str) -> dict:
-    cmd = [bench, "io", "--rw", rw, "--bs", str(bs), "--qd", str(QD), "--size", str(size),
-           "--path", directory, "--json"]
+    cmd = [
+        bench,
+        "io",
+        "--rw",
+        rw,
+        "--bs",
+        str(bs),
+        "--qd",
+        str(QD),
+        "--size",
+        str(size),
+        "--path",
+        directory,
+        "--json",
+    ]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     result = json.loads(out)
     if not result["direct"]:
@@ -170,9 +189,16 @@ def main() -> None:
     # buffer: the bytes DeepSpeed writes back are strata-bench's, stamps included.
     strata_pass(a.bench, "write", MIB, size, a.dir)
     configs = deepspeed_configs(constants)
-    handles = {name: aio.aio_handle(c["block_size"], c["queue_depth"], c["single_submit"],
-                                    c["overlap_events"], c["intra_op_parallelism"])
-               for name, c in configs.items()}
+    handles = {
+        name: aio.aio_handle(
+            c["block_size"],
+            c["queue_depth"],
+            c["single_submit"],
+            c["overlap_events"],
+            c["intra_op_parallelism"],
+        )
+        for name, c in configs.items()
+    }
     first = handles["1MiB_qd16"]
     if hasattr(first, "new_cpu_locked_tensor"):
         buf = first.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8))
@@ -180,7 +206,7 @@ def main() -> None:
     else:
         raw = torch.empty(size + 4096, dtype=torch.uint8)
         skip = -raw.data_ptr() % 4096
-        buf = raw[skip: skip + size]
+        buf = raw[skip : skip + size]
         buffer_kind = "a page-aligned torch tensor (not pinned: DeepSpeed bounces through its own)"
     for h in handles.values():
         if hasattr(h, "is_pinned") and not h.is_pinned(buf):
@@ -201,8 +227,10 @@ def main() -> None:
             sys.exit(f"DeepSpeed {'sync_pread' if is_read else 'sync_pwrite'} failed ({name})")
         return size / seconds / 1e6
 
-    print(f"deepspeed {deepspeed.__version__} (torch {torch.__version__}), file {data}, "
-          f"{size / 2**30:g} GiB, device {device.name or 'unknown'}, {a.runs} rounds")
+    print(
+        f"deepspeed {deepspeed.__version__} (torch {torch.__version__}), file {data}, "
+        f"{size / 2**30:g} GiB, device {device.name or 'unknown'}, {a.runs} rounds"
+    )
     print(f"  deepspeed buffer: {buffer_kind}; {buf_huge >> 20} MiB of it in huge pages")
     for name, c in configs.items():
         print(f"  deepspeed {name}: " + ", ".join(f"{k} {v}" for k, v in c.items()))
@@ -212,18 +240,27 @@ def main() -> None:
     for run in range(1, a.runs + 1):
         for rw in ("read", "write"):
             is_read = rw == "read"
-            jobs = [("strata", f"{bs // MIB}MiB_qd{QD}",
-                     lambda bs=bs, rw=rw: strata_pass(a.bench, rw, bs, size, a.dir)["mb_per_s"])
-                    for bs in STRATA_BLOCKS]
-            jobs_ds = [("deepspeed", name, lambda name=name, r=is_read: deepspeed_pass(name, r))
-                       for name in configs]
+            jobs = [
+                (
+                    "strata",
+                    f"{bs // MIB}MiB_qd{QD}",
+                    lambda bs=bs, rw=rw: strata_pass(a.bench, rw, bs, size, a.dir)["mb_per_s"],
+                )
+                for bs in STRATA_BLOCKS
+            ]
+            jobs_ds = [
+                ("deepspeed", name, lambda name=name, r=is_read: deepspeed_pass(name, r))
+                for name in configs
+            ]
             jobs = jobs + jobs_ds if run % 2 else jobs_ds + jobs
             line = []
             for program, config, body in jobs:
                 mb, request, moved = device.measure(body, is_read)
                 if device.stat and moved < 0.9 * size:
-                    sys.exit(f"{program} {config} {rw}: the device moved {moved} of {size} "
-                             "bytes (page cache?): the figure would be void")
+                    sys.exit(
+                        f"{program} {config} {rw}: the device moved {moved} of {size} "
+                        "bytes (page cache?): the figure would be void"
+                    )
                 samples.setdefault((program, config, rw), []).append((mb, request, moved))
                 req = f"{request / 1024:.0f} KiB" if request else "?"
                 line.append(f"{program} {config} {mb:.0f} MB/s (req {req})")
@@ -240,11 +277,16 @@ def main() -> None:
         pairs = zip(samples[("strata", sconf, rw)], samples[("deepspeed", dconf, rw)], strict=True)
         return statistics.median(s[0] / d[0] for s, d in pairs)
 
-    summary: dict[str, object] = {"bench": "deepspeed-aio-vs-strata", "bytes": size,
-                                  "runs": a.runs, "device": device.name,
-                                  "deepspeed": deepspeed.__version__,
-                                  "deepspeed_configs": configs, "deepspeed_buffer": buffer_kind,
-                                  "deepspeed_buffer_huge_page_bytes": buf_huge}
+    summary: dict[str, object] = {
+        "bench": "deepspeed-aio-vs-strata",
+        "bytes": size,
+        "runs": a.runs,
+        "device": device.name,
+        "deepspeed": deepspeed.__version__,
+        "deepspeed_configs": configs,
+        "deepspeed_buffer": buffer_kind,
+        "deepspeed_buffer_huge_page_bytes": buf_huge,
+    }
     for rw in ("read", "write"):
         summary[f"strata_{rw}_mb_per_s"] = med("strata", "1MiB_qd16", rw)
         summary[f"deepspeed_{rw}_mb_per_s"] = med("deepspeed", "1MiB_qd16", rw)
@@ -255,14 +297,17 @@ def main() -> None:
         summary[f"strata_4MiB_{rw}_device_request_bytes"] = med("strata", "4MiB_qd16", rw, 1)
         summary[f"deepspeed_zero_default_{rw}_mb_per_s"] = med("deepspeed", "zero_default", rw)
         summary[f"deepspeed_zero_default_{rw}_device_request_bytes"] = med(
-            "deepspeed", "zero_default", rw, 1)
+            "deepspeed", "zero_default", rw, 1
+        )
         summary[f"{rw}_ratio_vs_zero_default"] = ratio("1MiB_qd16", "zero_default", rw)
         summary[f"{rw}_ratio_4MiB_vs_zero_default"] = ratio("4MiB_qd16", "zero_default", rw)
-        print(f"median {rw}: strata 1MiB_qd16 {summary[f'strata_{rw}_mb_per_s']:.0f} MB/s, "
-              f"deepspeed 1MiB_qd16 {summary[f'deepspeed_{rw}_mb_per_s']:.0f} MB/s, "
-              f"ratio {summary[f'{rw}_ratio']:.3f} (strata 1MiB_qd16 / deepspeed zero_default "
-              f"{summary[f'{rw}_ratio_vs_zero_default']:.3f}, strata 4MiB_qd16 / deepspeed "
-              f"zero_default {summary[f'{rw}_ratio_4MiB_vs_zero_default']:.3f})")
+        print(
+            f"median {rw}: strata 1MiB_qd16 {summary[f'strata_{rw}_mb_per_s']:.0f} MB/s, "
+            f"deepspeed 1MiB_qd16 {summary[f'deepspeed_{rw}_mb_per_s']:.0f} MB/s, "
+            f"ratio {summary[f'{rw}_ratio']:.3f} (strata 1MiB_qd16 / deepspeed zero_default "
+            f"{summary[f'{rw}_ratio_vs_zero_default']:.3f}, strata 4MiB_qd16 / deepspeed "
+            f"zero_default {summary[f'{rw}_ratio_4MiB_vs_zero_default']:.3f})"
+        )
     print(json.dumps(summary, separators=(",", ":")))
 
 
