@@ -9,13 +9,14 @@
     ids = model.generate(input_ids, max_new_tokens=32)
     st.offload(module, checkpoint="weights.safetensors", device="cpu")  # any nn.Module
     opt = st.optim.AdamW(model.parameters(), lr=1e-3, offload="nvme", nvme_dir="/mnt/nvme0")
+    model, opt = st.train.offload(model, lr=1e-4, device_budget="2GiB", nvme_dir="/mnt/nvme0")
 
 Every parameter stays in its file (mapped in place, read with O_DIRECT) until its block runs;
 the prefetch pipeline brings the next blocks while the current one computes. See the README's
 section "Run a Hugging Face model larger than memory".
 """
 
-from . import optim
+from . import optim, train
 from ._activations import ActivationOffload, offload_activations
 from ._checkpoint import checkpoint_files, map_checkpoint
 from ._load import load_model, parameters_on_meta
@@ -37,4 +38,5 @@ __all__ = [
     "offload_activations",
     "optim",
     "parameters_on_meta",
+    "train",
 ]

@@ -60,11 +60,13 @@ def make_runtime(
     host_budget: Budget,
     nvme_dir: str | os.PathLike[str] | None = None,
     nvme_capacity: Budget = "16GiB",
+    stripe: Budget | None = None,
 ) -> Runtime:
     """A Runtime for `device`: the host backend for "cpu" (the device tier is a CPU arena of
     `device_budget`), the CUDA backend for "cuda"/"cuda:N". `nvme_dir`, when given, holds
-    `nvme_capacity` of swap space for tensors that are written (mapped weights never are);
-    without it a 4 MiB swap lives in a private temporary directory."""
+    `nvme_capacity` of swap space for tensors that are written (mapped weights never are),
+    each starting on a `stripe` (the runtime's default when None); without it a 4 MiB swap
+    lives in a private temporary directory."""
     dev = torch.device(device)
     config: dict[str, Any] = {
         "device_budget": device_budget,
@@ -77,4 +79,4 @@ def make_runtime(
         config["device_ordinal"] = dev.index or 0
     else:
         raise UnsupportedError(f"device {str(dev)!r}: strata runs on 'cpu' or 'cuda'")
-    return runtime_with_nvme(config, nvme_dir, nvme_capacity)
+    return runtime_with_nvme(config, nvme_dir, nvme_capacity, stripe)
