@@ -17,6 +17,7 @@ worker thread while backward goes on.
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
@@ -34,7 +35,14 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import optim as _kernel
 from .._core import Access, Tier
-from .._errors import InvalidArgumentError, NotFoundError, OutOfMemoryError, UnsupportedError
+from .._errors import (
+    Error,
+    InvalidArgumentError,
+    IoError,
+    NotFoundError,
+    OutOfMemoryError,
+    UnsupportedError,
+)
 from .._pipeline import PrefetchPipeline
 from .._runtime import Lease, Runtime, Tensor
 from ._offload import _placeholder, find_blocks
@@ -62,6 +70,18 @@ __all__ = ["TrainOptimizer", "load_checkpoint", "offload", "parameters", "save_c
 # optim.py). A parameter used by several blocks (a tied embedding and head) counts its uses in
 # the forward; its micro-batch is complete when every use has delivered.
 #
+# Note [A failed step is finished]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A failure in the worker (an NVMe read or write of a piece, say EIO or ENOSPC) is raised by
+# the next step(), and every task from it on is kept, in order, with the pieces it has done;
+# step() again runs them from where they stopped and then updates. An update that failed
+# half-way keeps its step count and the pieces it updated, and does only the rest. So a step
+# that raised and is called again is the step that never failed, bit for bit. A failure in a
+# block's lease (its forward's or backward's reads) is tried again, _LEASE_TRIES times in all
+# (reads are idempotent; a lease that failed holds nothing): a transient error costs a retry,
+# a lasting one raises from forward() or backward() naming the block, and that micro-batch is
+# lost (parameters already updated in its backward stay so): resume from the last checkpoint.
+#
 # Note [When a parameter is updated]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # Without max_grad_norm, a parameter whose accumulation_steps-th micro-batch is complete is
@@ -73,6 +93,8 @@ __all__ = ["TrainOptimizer", "load_checkpoint", "offload", "parameters", "save_c
 # min(1, max_grad_norm / (norm + 1e-6)), as torch.nn.utils.clip_grad_norm_ does, and updates.
 # The clip is exact (no speculative update to roll back); the update then runs after backward.
 
+_AGAIN = "step() again finishes it"
+_LEASE_TRIES = 3  # a block's lease is tried again after an I/O error, this many times in all
 _PIECE_ROWS = 4  # master, exp_avg, exp_avg_sq, gradient accumulator (fp32)
 _STRIPE = 256 << 10
 
@@ -92,10 +114,13 @@ class _Param:
     offset: int = 0  # its bytes' start in the store
     pieces: list[tuple[Tensor, int, int]] = field(default_factory=list)  # (rows, lo, hi)
     step: int = 0
-    uses_open: int = 0  # forward uses of this micro-batch whose gradient has not come back
+    # The calls (forward uses) whose gradient has not come back: a graph dropped without its
+    # backward (an evaluation with grad on, a failed forward) leaves the set with its calls.
+    open_calls: weakref.WeakSet = field(default_factory=weakref.WeakSet)
     micro_batches: int = 0  # complete micro-batches accumulated since the last update
     norm_sq: float = 0.0  # of the accumulated gradient, at its last micro-batch (clipping)
     has_grad: bool = False  # its accumulator holds a gradient not yet applied
+    partial: set[int] | None = None  # pieces updated by an update that failed half-way
 
     @property
     def nbytes(self) -> int:
@@ -234,7 +259,7 @@ class _BlockFunction(torch.autograd.Function):
             call.leaves = []
         for p in call.block.params:
             if p.trainable:
-                p.uses_open += 1
+                p.open_calls.add(call)
         result = tuple(t.detach() for t in outs)
         ctx.mark_non_differentiable(*[r for r, d in zip(result, differentiable) if not d])
         return result
@@ -258,7 +283,7 @@ class _BlockFunction(torch.autograd.Function):
         for k, i in enumerate(wrt_in):
             input_grads[i] = got[k]
         for k, i in enumerate(wrt_p):
-            tr.gradient(block.params[i], got[len(wrt_in) + k])
+            tr.gradient(call, block.params[i], got[len(wrt_in) + k])
         return (None, None, *input_grads)
 
 
@@ -348,17 +373,17 @@ class _Trainer:
     def leased(self, call: _Call, step: str) -> _Leased:
         return _Leased(self, call, step)
 
-    def gradient(self, p: _Param, grad: torch.Tensor | None) -> None:
+    def gradient(self, call: _Call, p: _Param, grad: torch.Tensor | None) -> None:
         """A block's backward delivers `p`'s gradient for one of its uses (None: unused)."""
         if grad is not None and grad.is_sparse:
             raise InvalidArgumentError(
                 f"parameter {p.name!r}: a sparse gradient (Adam needs dense ones; build the "
                 "embedding with sparse=False)"
             )
-        p.uses_open -= 1
+        p.open_calls.discard(call)
         opt = self.optimizer() if self.optimizer is not None else None
         if opt is not None:
-            opt._deliver(p, grad, p.uses_open == 0)
+            opt._deliver(p, grad, len(p.open_calls) == 0)
 
     def remove(self) -> None:
         for h in self._hooks:
@@ -413,7 +438,16 @@ class _Leased:
             tr.pipeline._core.begin_iteration()
             tr._in_iteration = True
         uses = [(t.id, Tier.DEVICE, Access.READ) for t in block.stores]
-        cores = tr.pipeline._core.begin_step(self.step, uses)
+        for attempt in range(1, _LEASE_TRIES + 1):  # Note [A failed step is finished]
+            try:
+                cores = tr.pipeline._core.begin_step(self.step, uses)
+                break
+            except IoError as e:
+                if attempt == _LEASE_TRIES:
+                    raise IoError(
+                        f"block {block.name!r} ({self.step}): its parameters could not be "
+                        f"leased on the device in {_LEASE_TRIES} tries: {e}"
+                    ) from e
         self.leases = [Lease(c, t) for c, t in zip(cores, block.stores)]
         stores = [torch.from_dlpack(lease) for lease in self.leases]
         self.call.stores = stores
@@ -428,6 +462,17 @@ class _Leased:
         for lease in self.leases:
             lease.release()
         tr.pipeline._core.end_step()
+
+
+# Optimizers whose worker runs: stopped before the interpreter finalizes (a daemon thread that
+# wakes during finalization is ended from inside whatever C++ frame it is in: terminate).
+_LIVE: weakref.WeakSet[TrainOptimizer] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_workers() -> None:
+    for opt in list(_LIVE):
+        opt.close()
 
 
 def _work(ref: weakref.ReferenceType, tasks: queue.Queue) -> None:
@@ -449,6 +494,9 @@ class _Task:
     param: _Param
     grad: torch.Tensor | None
     complete: bool  # the micro-batch's last use of the parameter
+    done: set[int] = field(default_factory=set)  # pieces whose accumulator has it
+    counted: bool = False  # the micro-batch counted (complete)
+    first: bool = False  # the accumulator's first gradient since the last update
 
 
 class TrainOptimizer(torch.optim.Optimizer):
@@ -495,12 +543,17 @@ class TrainOptimizer(torch.optim.Optimizer):
         self.updates_during_backward = 0
         self._tasks: queue.Queue[_Task | None] = queue.Queue()
         self._failure: BaseException | None = None
+        # Note [A failed step is finished]: the tasks a failure stopped (and those queued after
+        # it, kept in order), finished by the next step().
+        self._unfinished: list[_Task] = []
+        self._scale: float | None = None  # this step's clip, once computed
         self._rt = trainer.runtime  # the worker leases on the host tier directly
         self._worker = threading.Thread(
             target=_work, args=(weakref.ref(self), self._tasks), name="strata-adam", daemon=True
         )
         self._worker.start()
         weakref.finalize(self, self._tasks.put, None)
+        _LIVE.add(self)
         trainer.optimizer = weakref.ref(self)
 
     # -- the worker --
@@ -514,37 +567,55 @@ class TrainOptimizer(torch.optim.Optimizer):
         self._tasks.put(_Task(p, grad, complete))
 
     def _run(self, task: _Task) -> None:
+        if self._failure is not None or self._unfinished:
+            self._unfinished.append(task)
+            return
         try:
-            if self._failure is None:
-                self._accumulate(task)
+            self._accumulate(task)
+        except Error as e:  # raised by step()
+            self._failure = type(e)(f"{e} (the step is kept where it stopped: {_AGAIN})")
+            self._unfinished.append(task)
         except BaseException as e:  # noqa: BLE001 (raised by step())
             self._failure = e
+            self._unfinished.append(task)
 
     def _accumulate(self, task: _Task) -> None:
+        try:
+            self._accumulate_pieces(task)
+        except Error as e:  # the error names the parameter
+            raise type(e)(f"parameter {task.param.name!r}: {e}") from e
+
+    def _accumulate_pieces(self, task: _Task) -> None:
         p, g = task.param, task.grad
         if g is not None:
-            first = not p.has_grad
+            if not task.done:
+                task.first = not p.has_grad
             for k, (rows_t, lo, hi) in enumerate(p.pieces):
+                if k in task.done:
+                    continue
                 self._ahead(p, k)
                 with self._rt.acquire(rows_t, Tier.HOST, Access.READ_WRITE) as lease:
                     acc = torch.from_dlpack(lease)[3]
-                    if first:
+                    if task.first:
                         acc.copy_(g[lo:hi])
                     else:
                         acc.add_(g[lo:hi])
                     del acc
+                task.done.add(k)
             p.has_grad = True
         if not task.complete:
             return
-        p.micro_batches += 1
+        if not task.counted:
+            p.micro_batches += 1
+            task.counted = True
         if not p.has_grad:
             return
         if self.max_grad_norm is not None:
             if p.micro_batches % self.accumulation_steps == 0:
-                p.norm_sq = self._norm_sq(p)
+                p.norm_sq = self._norm_sq_pieces(p)
             return
         if p.micro_batches % self.accumulation_steps == 0:
-            self._update(p, 1.0)
+            self._update_pieces(p, 1.0)
             self.updates_during_backward += 1
 
     def _ahead(self, p: _Param, k: int) -> None:
@@ -553,6 +624,12 @@ class TrainOptimizer(torch.optim.Optimizer):
             self._rt.prefetch(p.pieces[k + 1][0], Tier.HOST)
 
     def _norm_sq(self, p: _Param) -> float:
+        try:
+            return self._norm_sq_pieces(p)
+        except Error as e:  # the error names the parameter
+            raise type(e)(f"parameter {p.name!r}: {e}") from e
+
+    def _norm_sq_pieces(self, p: _Param) -> float:
         total = torch.zeros((), dtype=torch.float32)
         for k, (rows_t, _, _) in enumerate(p.pieces):
             self._ahead(p, k)
@@ -561,14 +638,24 @@ class TrainOptimizer(torch.optim.Optimizer):
         return float(total)
 
     def _update(self, p: _Param, scale: float) -> None:
+        try:
+            return self._update_pieces(p, scale)
+        except Error as e:  # the error names the parameter
+            raise type(e)(f"parameter {p.name!r}: {e}") from e
+
+    def _update_pieces(self, p: _Param, scale: float) -> None:
         """Adam on each of `p`'s pieces with its accumulated gradient (times `scale`), the
         rounded result written into its working copy; the accumulator is emptied."""
         group = self.param_groups[0]
-        p.step += 1
+        if p.partial is None:  # this update's first try
+            p.step += 1
+            p.partial = set()
         with self._rt.acquire(p.store, Tier.HOST, Access.READ_WRITE) as w:
             work = p.view(torch.from_dlpack(w)).view(-1)
             copy = work if work.dtype in (torch.bfloat16, torch.float16) else None
             for k, (rows_t, lo, hi) in enumerate(p.pieces):
+                if k in p.partial:
+                    continue
                 self._ahead(p, k)
                 with self._rt.acquire(rows_t, Tier.HOST, Access.READ_WRITE) as lease:
                     rows = torch.from_dlpack(lease)
@@ -590,7 +677,9 @@ class TrainOptimizer(torch.optim.Optimizer):
                     if copy is None:
                         work[lo:hi].copy_(rows[0])
                     del rows
+                p.partial.add(k)  # updated: a failure from here on is the write's
             del work, copy
+        p.partial = None
         p.has_grad = False
         p.micro_batches = 0
         p.norm_sq = 0.0
@@ -610,25 +699,44 @@ class TrainOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._wait()
-        pending = [p for p in self._train if p.has_grad]
-        scale = 1.0
-        if self.max_grad_norm is not None:
-            for p in pending:
-                if p.micro_batches % self.accumulation_steps != 0:
-                    p.norm_sq = self._norm_sq(p)  # a step() before the last micro-batch
-            norm = math.sqrt(sum(p.norm_sq for p in pending))
-            self.last_grad_norm = norm
-            scale = min(1.0, self.max_grad_norm / (norm + 1e-6))
-        for p in pending:
-            self._update(p, scale)
+        self._trainer.end_iteration()  # a prefetch's failure is raised here, before any update
+        try:
+            self._finish_step()
+        except Error as e:
+            raise type(e)(f"{e} (the step is kept where it stopped: {_AGAIN})") from e
         self.steps += 1
-        self._trainer.end_iteration()
         return loss
+
+    def _finish_step(self) -> None:
+        """The rest of a step after backward: the tasks a failure stopped, then every
+        parameter's update that did not run during backward."""
+        while self._unfinished:  # Note [A failed step is finished]
+            self._accumulate(self._unfinished[0])
+            self._unfinished.pop(0)
+        pending = [p for p in self._train if p.has_grad]
+        if self._scale is None:  # once a step: a step() again keeps the first one's clip
+            self._scale = 1.0
+            if self.max_grad_norm is not None:
+                for p in pending:
+                    if p.micro_batches % self.accumulation_steps != 0:
+                        p.norm_sq = self._norm_sq(p)  # a step() before the last micro-batch
+                norm = math.sqrt(sum(p.norm_sq for p in pending))
+                self.last_grad_norm = norm
+                self._scale = min(1.0, self.max_grad_norm / (norm + 1e-6))
+        for p in pending:
+            self._update(p, self._scale)
+        self._scale = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The gradients live in the accumulators, emptied by each update: nothing to do once a
-        step() has run; before one, the accumulated micro-batches are dropped."""
+        step() has run; before one, the accumulated micro-batches are dropped. After a step()
+        that raised, call step() again to finish it (Note [A failed step is finished])."""
         self._wait()
+        if self._unfinished or any(p.partial is not None for p in self._train):
+            raise InvalidArgumentError(
+                "zero_grad: the last step() failed half-way (some parameters are updated, some "
+                "not); call step() again to finish it"
+            )
         for p in self._train:
             p.has_grad = False
             p.micro_batches = 0
@@ -771,6 +879,8 @@ def offload(
     sub_group_size: int | None = None,
     prefetch: str = "auto",
     blocks: Sequence[str] | None = None,
+    runtime: Runtime | None = None,
+    home: str | None = None,
 ) -> tuple[nn.Module, TrainOptimizer]:
     """Moves `model`'s parameters into a strata Runtime and returns the model and its optimizer
     (Note [Training blocks]): `device` computes ("cpu": the host backend, its device tier a CPU
@@ -779,6 +889,8 @@ def offload(
     `nvme_dir`, on NVMe. `optimizer` is "adamw" or "adam" (torch's formulas); `dtype` casts the
     working copies (the masters stay fp32). Parameters with requires_grad=False stream read-only
     and get no state. The module's parameters become placeholders; its buffers move to `device`.
+    `runtime` uses a Runtime of the caller's instead of making one (its budgets); `home`
+    ("host" or "nvme", "nvme" by default when `nvme_dir` is given) says where the tensors live.
     """
     if isinstance(model, (str, os.PathLike)):
         model = _from_checkpoint_dir(model, dtype)
@@ -810,7 +922,13 @@ def offload(
     for name, prm, _ in unique.values():
         if prm.device.type == "meta":
             raise InvalidArgumentError(f"parameter {name!r} is on the meta device: no values")
-    home = Tier.NVME if nvme_dir is not None else Tier.HOST
+    if home is None:
+        home = "nvme" if nvme_dir is not None else "host"
+    if home not in ("host", "nvme"):
+        raise InvalidArgumentError(f'home: {home!r} is not "host" or "nvme"')
+    if home == "nvme" and nvme_dir is None and runtime is None:
+        raise InvalidArgumentError('home="nvme" needs nvme_dir (a directory on the drive)')
+    home = Tier.NVME if home == "nvme" else Tier.HOST
     work_dtype = {
         id(prm): (dtype if dtype is not None and prm.is_floating_point() else prm.dtype)
         for _, prm, _ in unique.values()
@@ -827,9 +945,10 @@ def offload(
                     nvme_capacity += _on_stripes(4 * _PIECE_ROWS * (hi - lo))
         if sub_group_size is None:  # pieces not known yet: a stripe more for each 64 Ki elements
             nvme_capacity += _STRIPE * (trainable_elems // (1 << 16) + len(unique))
-    runtime = make_runtime(
-        dev, device_budget, host_budget, nvme_dir, nvme_capacity or "4MiB", stripe=_STRIPE
-    )
+    if runtime is None:
+        runtime = make_runtime(
+            dev, device_budget, host_budget, nvme_dir, nvme_capacity or "4MiB", stripe=_STRIPE
+        )
     host_cap = runtime.stats()["tiers"]["Host"]["capacity_bytes"]
     dev_cap = runtime.stats()["tiers"]["Device"]["capacity_bytes"]
     if sub_group_size is None:  # a piece's four fp32 rows: at most a quarter of the host tier
