@@ -446,3 +446,51 @@ def test_an_io_error_in_a_step_is_raised_and_step_again_finishes_it(
             assert torch.equal(got[name], want[name]), (n, name)
         opt.close()
     assert raised, "no fault landed in a step: the positions miss the updates"
+
+
+def _bf16_llama():
+    model = _llama()
+    for p in model.parameters():  # the parameters only: the buffers keep their dtype
+        p.data = p.data.to(torch.bfloat16)
+    return model
+
+
+def test_a_bf16_model_keeps_fp32_masters_as_strata_adamw_in_memory_does():
+    # The working copies are bf16; the fp32 masters and moments are the update's, and the
+    # working copies are the masters rounded (the kernel's param_copy), as in memory.
+    batches = _batches("llama", STEPS)
+    model, opt = _offload(_bf16_llama())
+    ref = _bf16_llama()
+    ref_opt = st.optim.AdamW(ref.parameters(), **KW)
+    assert _train("llama", model, opt, batches) == _train("llama", ref, ref_opt, batches)
+    got = st.train.parameters(model)
+    for name, value in _named(ref).items():
+        assert got[name].dtype == torch.bfloat16
+        assert torch.equal(got[name], value), name
+    masters = opt.state_dict()["strata_master"]
+    assert all(m.dtype == torch.float32 for m in masters.values())
+    for i, p in enumerate(opt._train):  # the working copy is its master rounded
+        assert torch.equal(masters[i].to(torch.bfloat16), got[p.name]), p.name
+
+
+def test_dtype_casts_the_working_copies_and_keeps_the_fp32_values_as_masters(tmp_path):
+    # An fp32 model with dtype=bfloat16: the model computes in bf16, its masters start from the
+    # fp32 values it had (not from their rounding), as mixed-precision training keeps them.
+    fp32 = _named(_llama())
+    model, opt = _offload(_llama(), dtype=torch.bfloat16)
+    got = st.train.parameters(model)
+    for name, value in fp32.items():
+        assert torch.equal(got[name], value.to(torch.bfloat16)), name
+    rt = model._strata_trainer.runtime
+    for p in opt._train:  # the masters in the runtime, read back
+        assert torch.equal(st.train._read_rows(rt, p)[0].view(p.shape), fp32[p.name]), p.name
+    st.train.save_checkpoint(tmp_path, model, opt)  # before any step: no optimizer state yet
+    _train("llama", model, opt, _batches("llama", 1))
+    st.train.save_checkpoint(tmp_path, model, opt)
+    from safetensors.torch import load_file
+
+    saved = {}
+    for f in tmp_path.glob("optimizer*.safetensors"):
+        saved.update(load_file(f))
+    assert len(saved) == 3 * len(opt._train)
+    assert all(t.dtype == torch.float32 for t in saved.values())
