@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -49,7 +50,9 @@ class _Saved:
         self.shape = shape
         self.dtype = dtype
         self.device = device
-        self.before = before  # the one saved just before it: prefetched when this is unpacked
+        # The one saved just before it, prefetched when this is unpacked; weak, so that a
+        # handle kept across iterations (a long-lived ActivationOffload) holds no other.
+        self.before = None if before is None else weakref.ref(before)
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # at interpreter shutdown the runtime may be gone
@@ -70,7 +73,9 @@ class ActivationOffload:
         self.too_large = 0  # kept because they are larger than the host tier
         self._host_capacity = runtime.stats()["tiers"]["Host"]["capacity_bytes"]
         self._names = itertools.count()
-        self._last: _Saved | None = None
+        # The last one saved (weak: the graph owns the handles, and one outliving its graph
+        # would keep its strata tensor).
+        self._last: weakref.ReferenceType[_Saved] | None = None
         self._lock = threading.Lock()
 
     def pack(self, t: torch.Tensor) -> Any:
@@ -96,8 +101,9 @@ class ActivationOffload:
         tensor = self.runtime.create_tensor(
             name, tuple(t.shape), _DTYPES[t.dtype], self.tier, src.contiguous()
         )
-        saved = _Saved(self.runtime, tensor, t.shape, t.dtype, t.device, self._last)
-        self._last = saved
+        last = None if self._last is None else self._last()
+        saved = _Saved(self.runtime, tensor, t.shape, t.dtype, t.device, last)
+        self._last = weakref.ref(saved)
         self.offloaded += 1
         self.offloaded_bytes += nbytes
         return saved
@@ -108,10 +114,11 @@ class ActivationOffload:
         # A CUDA activation comes back through the device tier; a CPU one through the host
         # tier (on the host backend the device tier is another CPU arena: no use going there).
         tier = Tier.DEVICE if packed.device.type == "cuda" else Tier.HOST
-        if packed.before is not None:
+        before = None if packed.before is None else packed.before()
+        if before is not None:
             with contextlib.suppress(OutOfMemoryError):  # a hint: no room now is no error
-                self.runtime.prefetch(packed.before.tensor, tier)
-            packed.before = None
+                self.runtime.prefetch(before.tensor, tier)
+        packed.before = None
         with self.runtime.acquire(packed.tensor, tier, Access.READ) as lease:
             # A copy: the lease ends here, so the handle can always destroy its tensor (a view
             # of the lease would hold it for as long as autograd keeps the value).
@@ -153,7 +160,7 @@ def offload_activations(
         with torch.autograd.graph.saved_tensors_hooks(state.pack, state.unpack):
             yield state
     finally:
-        state._last = None  # the graph holds the handles now: they go with it
+        state._last = None
 
 
 def _bytes(value: int | str) -> int:

@@ -27,7 +27,7 @@ import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -45,6 +45,8 @@ from .._errors import (
 )
 from .._pipeline import PrefetchPipeline
 from .._runtime import Lease, Runtime, Tensor
+from ._activations import ActivationOffload
+from ._activations import _bytes as _min_bytes
 from ._offload import _placeholder, find_blocks
 from ._runtimes import Budget, in_pages, make_runtime
 
@@ -66,9 +68,11 @@ __all__ = ["TrainOptimizer", "load_checkpoint", "offload", "parameters", "save_c
 # The parameters the forward computes with are fresh leaves over the lease; their gradients
 # come from torch.autograd.grad inside the block's backward, never from .grad, and leave the
 # device as soon as the block's backward ends: to the worker thread, which adds each into the
-# parameter's fp32 accumulator on the host tier (row 3 of its pieces, Note [Sub-groups] of
-# optim.py). A parameter used by several blocks (a tied embedding and head) counts its uses in
-# the forward; its micro-batch is complete when every use has delivered.
+# parameter's fp32 accumulator on the host tier (its pieces', _Piece) or, when this is the
+# micro-batch that completes the step's gradient and no clipping waits for the global norm,
+# straight into the update (one lease of each piece: the fewest bytes a step moves). A
+# parameter used by several blocks (a tied embedding and head) counts its uses in the forward;
+# its micro-batch is complete when every use has delivered.
 #
 # Note [A failed step is finished]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -93,9 +97,33 @@ __all__ = ["TrainOptimizer", "load_checkpoint", "offload", "parameters", "save_c
 # min(1, max_grad_norm / (norm + 1e-6)), as torch.nn.utils.clip_grad_norm_ does, and updates.
 # The clip is exact (no speculative update to roll back); the update then runs after backward.
 
+# Note [Offloaded activations]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# With offload_activations, what backward keeps of a block's forward goes to the host tier
+# through offload_activations' machinery (Note [Saved activations] of _activations.py), so it
+# counts in host_budget and, on CUDA, leaves the device: without checkpoint_activations the
+# tensors the block's graph saves (its parameters are references into the lease, _Ref, and
+# never move), with it the block's inputs, which _BlockFunction saves when apply returns (under
+# hooks around apply). Backward brings each back, the one saved before it prefetched; the bytes
+# round-trip exactly, so the gradients are the same bits.
+
 _AGAIN = "step() again finishes it"
 _LEASE_TRIES = 3  # a block's lease is tried again after an I/O error, this many times in all
-_PIECE_ROWS = 4  # master, exp_avg, exp_avg_sq, gradient accumulator (fp32)
+_PIECE_ROWS = 4  # fp32 elements a trainable element keeps: master, moments, gradient
+
+
+class _Piece(NamedTuple):
+    """Elements [lo, hi) of a parameter's states (Note [Sub-groups] of optim.py): its fp32
+    master and moments (3, n), and its gradient accumulator (n,), used only when a gradient
+    waits (several micro-batches, or clipping): an update straight from backward reads and
+    writes the 12 bytes an element a step must move, not 16."""
+
+    states: Tensor
+    acc: Tensor
+    lo: int
+    hi: int
+
+
 _STRIPE = 256 << 10
 
 
@@ -112,7 +140,7 @@ class _Param:
     placeholder: nn.Parameter
     store: Tensor | None = None  # the runtime tensor (bytes) holding its working copy
     offset: int = 0  # its bytes' start in the store
-    pieces: list[tuple[Tensor, int, int]] = field(default_factory=list)  # (rows, lo, hi)
+    pieces: list[_Piece] = field(default_factory=list)
     step: int = 0
     # The calls (forward uses) whose gradient has not come back: a graph dropped without its
     # backward (an evaluation with grad on, a failed forward) leaves the set with its calls.
@@ -212,7 +240,8 @@ class _Call:
             for k, store in enumerate(self.stores):
                 if store.untyped_storage().data_ptr() == ptr:
                     return _Ref(k, t)
-        return t
+        acts = self.trainer.activations
+        return t if acts is None else acts.pack(t)
 
     def unpack(self, saved: Any) -> torch.Tensor:
         if isinstance(saved, _Ref):
@@ -223,7 +252,8 @@ class _Call:
                 )
             typed = self.stores[saved.store].view(saved.dtype)
             return typed.as_strided(saved.size, saved.stride, saved.offset)
-        return saved
+        acts = self.trainer.activations
+        return saved if acts is None else acts.unpack(saved)
 
 
 class _BlockFunction(torch.autograd.Function):
@@ -282,8 +312,7 @@ class _BlockFunction(torch.autograd.Function):
         input_grads: list[torch.Tensor | None] = [None] * n_in
         for k, i in enumerate(wrt_in):
             input_grads[i] = got[k]
-        for k, i in enumerate(wrt_p):
-            tr.gradient(call, block.params[i], got[len(wrt_in) + k])
+        tr.gradients(call, [(block.params[i], got[len(wrt_in) + k]) for k, i in enumerate(wrt_p)])
         return (None, None, *input_grads)
 
 
@@ -342,10 +371,12 @@ class _Trainer:
         device: torch.device,
         prefetch: str,
         checkpoint_activations: bool,
+        activations: ActivationOffload | None,
     ) -> None:
         self.module, self.runtime, self.blocks, self.params = module, runtime, blocks, params
         self.device = device
         self.checkpoint_activations = checkpoint_activations
+        self.activations = activations  # Note [Offloaded activations]
         self.pipeline = PrefetchPipeline(runtime, prefetch)
         self._in_iteration = False
         self._open: str | None = None
@@ -373,17 +404,22 @@ class _Trainer:
     def leased(self, call: _Call, step: str) -> _Leased:
         return _Leased(self, call, step)
 
-    def gradient(self, call: _Call, p: _Param, grad: torch.Tensor | None) -> None:
-        """A block's backward delivers `p`'s gradient for one of its uses (None: unused)."""
-        if grad is not None and grad.is_sparse:
-            raise InvalidArgumentError(
-                f"parameter {p.name!r}: a sparse gradient (Adam needs dense ones; build the "
-                "embedding with sparse=False)"
-            )
-        p.open_calls.discard(call)
+    def gradients(self, call: _Call, grads: list[tuple[_Param, torch.Tensor | None]]) -> None:
+        """A block's backward delivers its parameters' gradients for one use (None: unused),
+        to the worker as one batch (one lease of the block's store for their updates)."""
+        for p, grad in grads:
+            if grad is not None and grad.is_sparse:
+                raise InvalidArgumentError(
+                    f"parameter {p.name!r}: a sparse gradient (Adam needs dense ones; build the "
+                    "embedding with sparse=False)"
+                )
+        tasks = []
+        for p, grad in grads:
+            p.open_calls.discard(call)
+            tasks.append((p, grad, len(p.open_calls) == 0))
         opt = self.optimizer() if self.optimizer is not None else None
         if opt is not None:
-            opt._deliver(p, grad, len(p.open_calls) == 0)
+            opt._deliver(tasks)
 
     def remove(self) -> None:
         for h in self._hooks:
@@ -419,7 +455,16 @@ class _BlockForward:
             with tr.leased(call, block.name), torch.no_grad():
                 return call.run([], grad=False)
         anchor = tr._anchor
-        outs = _BlockFunction.apply(call, anchor, *[flat[i] for i in diff])
+        if tr.activations is not None and tr.checkpoint_activations:
+            # The inputs the Function saves (all a checkpointed block keeps) are packed when
+            # apply returns, under the hooks of its caller: these.
+            hooks = torch.autograd.graph.saved_tensors_hooks(
+                tr.activations.pack, tr.activations.unpack
+            )
+            with hooks:
+                outs = _BlockFunction.apply(call, anchor, *[flat[i] for i in diff])
+        else:
+            outs = _BlockFunction.apply(call, anchor, *[flat[i] for i in diff])
         it = iter(outs)
         out_flat = [next(it) if isinstance(v, torch.Tensor) else v for v in call.out_flat]
         call.out_flat = []
@@ -497,6 +542,7 @@ class _Task:
     done: set[int] = field(default_factory=set)  # pieces whose accumulator has it
     counted: bool = False  # the micro-batch counted (complete)
     first: bool = False  # the accumulator's first gradient since the last update
+    fused: bool | None = None  # straight into the update (decided at its first try)
 
 
 class TrainOptimizer(torch.optim.Optimizer):
@@ -541,7 +587,7 @@ class TrainOptimizer(torch.optim.Optimizer):
         self.last_grad_norm: float | None = None
         self.steps = 0
         self.updates_during_backward = 0
-        self._tasks: queue.Queue[_Task | None] = queue.Queue()
+        self._tasks: queue.Queue[list[_Task] | None] = queue.Queue()
         self._failure: BaseException | None = None
         # Note [A failed step is finished]: the tasks a failure stopped (and those queued after
         # it, kept in order), finished by the next step().
@@ -558,26 +604,30 @@ class TrainOptimizer(torch.optim.Optimizer):
 
     # -- the worker --
 
-    def _deliver(self, p: _Param, grad: torch.Tensor | None, complete: bool) -> None:
-        if grad is not None:
-            grad = grad.detach()
-            if grad.device.type != "cpu":
-                grad = grad.to("cpu", non_blocking=False)
-            grad = grad.to(torch.float32).contiguous().view(-1)
-        self._tasks.put(_Task(p, grad, complete))
+    def _deliver(self, grads: list[tuple[_Param, torch.Tensor | None, bool]]) -> None:
+        tasks = []
+        for p, grad, complete in grads:
+            if grad is not None:
+                grad = grad.detach()
+                if grad.device.type != "cpu":
+                    grad = grad.to("cpu", non_blocking=False)
+                grad = grad.to(torch.float32).contiguous().view(-1)
+            tasks.append(_Task(p, grad, complete))
+        self._tasks.put(tasks)
 
-    def _run(self, task: _Task) -> None:
-        if self._failure is not None or self._unfinished:
-            self._unfinished.append(task)
-            return
-        try:
-            self._accumulate(task)
-        except Error as e:  # raised by step()
-            self._failure = type(e)(f"{e} (the step is kept where it stopped: {_AGAIN})")
-            self._unfinished.append(task)
-        except BaseException as e:  # noqa: BLE001 (raised by step())
-            self._failure = e
-            self._unfinished.append(task)
+    def _run(self, tasks: list[_Task]) -> None:
+        for task in tasks:
+            if self._failure is not None or self._unfinished:
+                self._unfinished.append(task)
+                continue
+            try:
+                self._accumulate(task)
+            except Error as e:  # raised by step()
+                self._failure = type(e)(f"{e} (the step is kept where it stopped: {_AGAIN})")
+                self._unfinished.append(task)
+            except BaseException as e:  # noqa: BLE001 (raised by step())
+                self._failure = e
+                self._unfinished.append(task)
 
     def _accumulate(self, task: _Task) -> None:
         try:
@@ -587,19 +637,33 @@ class TrainOptimizer(torch.optim.Optimizer):
 
     def _accumulate_pieces(self, task: _Task) -> None:
         p, g = task.param, task.grad
+        if task.fused is None:  # decided once, so that a retry goes on the same way
+            task.fused = (
+                g is not None
+                and task.complete
+                and self.max_grad_norm is None
+                and (p.micro_batches + 1) % self.accumulation_steps == 0
+            )
+        if task.fused:  # this micro-batch completes the gradient: straight into the update
+            if not task.counted:
+                p.micro_batches += 1
+                task.counted = True
+            self._update_pieces(p, 1.0, g)
+            self.updates_during_backward += 1
+            return
         if g is not None:
             if not task.done:
                 task.first = not p.has_grad
-            for k, (rows_t, lo, hi) in enumerate(p.pieces):
+            for k, piece in enumerate(p.pieces):
                 if k in task.done:
                     continue
-                self._ahead(p, k)
-                with self._rt.acquire(rows_t, Tier.HOST, Access.READ_WRITE) as lease:
-                    acc = torch.from_dlpack(lease)[3]
+                self._ahead(p, k, acc=True)
+                with self._rt.acquire(piece.acc, Tier.HOST, Access.READ_WRITE) as lease:
+                    acc = torch.from_dlpack(lease)
                     if task.first:
-                        acc.copy_(g[lo:hi])
+                        acc.copy_(g[piece.lo : piece.hi])
                     else:
-                        acc.add_(g[lo:hi])
+                        acc.add_(g[piece.lo : piece.hi])
                     del acc
                 task.done.add(k)
             p.has_grad = True
@@ -618,10 +682,14 @@ class TrainOptimizer(torch.optim.Optimizer):
             self._update_pieces(p, 1.0)
             self.updates_during_backward += 1
 
-    def _ahead(self, p: _Param, k: int) -> None:
-        """Brings piece k + 1 of `p` (NVMe-homed states) to the host while piece k works."""
+    def _ahead(self, p: _Param, k: int, acc: bool = False, states: bool = True) -> None:
+        """Brings piece k + 1 of `p` (NVMe-homed) to the host while piece k works."""
         if k + 1 < len(p.pieces):
-            self._rt.prefetch(p.pieces[k + 1][0], Tier.HOST)
+            nxt = p.pieces[k + 1]
+            if states:
+                self._rt.prefetch(nxt.states, Tier.HOST)
+            if acc:
+                self._rt.prefetch(nxt.acc, Tier.HOST)
 
     def _norm_sq(self, p: _Param) -> float:
         try:
@@ -631,10 +699,10 @@ class TrainOptimizer(torch.optim.Optimizer):
 
     def _norm_sq_pieces(self, p: _Param) -> float:
         total = torch.zeros((), dtype=torch.float32)
-        for k, (rows_t, _, _) in enumerate(p.pieces):
-            self._ahead(p, k)
-            with self._rt.acquire(rows_t, Tier.HOST, Access.READ) as lease:
-                total += torch.linalg.vector_norm(torch.from_dlpack(lease)[3]) ** 2
+        for k, piece in enumerate(p.pieces):
+            self._ahead(p, k, acc=True, states=False)
+            with self._rt.acquire(piece.acc, Tier.HOST, Access.READ) as lease:
+                total += torch.linalg.vector_norm(torch.from_dlpack(lease)) ** 2
         return float(total)
 
     def _update(self, p: _Param, scale: float) -> None:
@@ -643,46 +711,65 @@ class TrainOptimizer(torch.optim.Optimizer):
         except Error as e:  # the error names the parameter
             raise type(e)(f"parameter {p.name!r}: {e}") from e
 
-    def _update_pieces(self, p: _Param, scale: float) -> None:
-        """Adam on each of `p`'s pieces with its accumulated gradient (times `scale`), the
-        rounded result written into its working copy; the accumulator is emptied."""
+    def _update_pieces(self, p: _Param, scale: float, grad: torch.Tensor | None = None) -> None:
+        """Adam on each of `p`'s pieces, the rounded result written into its working copy. The
+        gradient: the accumulator (times `scale`) with `grad` added when given, or `grad`
+        alone when nothing waits in the accumulator."""
         group = self.param_groups[0]
         if p.partial is None:  # this update's first try
             p.step += 1
             p.partial = set()
         with self._rt.acquire(p.store, Tier.HOST, Access.READ_WRITE) as w:
-            work = p.view(torch.from_dlpack(w)).view(-1)
-            copy = work if work.dtype in (torch.bfloat16, torch.float16) else None
-            for k, (rows_t, lo, hi) in enumerate(p.pieces):
-                if k in p.partial:
-                    continue
-                self._ahead(p, k)
-                with self._rt.acquire(rows_t, Tier.HOST, Access.READ_WRITE) as lease:
-                    rows = torch.from_dlpack(lease)
-                    if scale != 1.0:
-                        rows[3].mul_(scale)
-                    _kernel.adam_step(
-                        rows[0],
-                        rows[3],
-                        rows[1],
-                        rows[2],
-                        step=p.step,
-                        lr=group["lr"],
-                        betas=tuple(group["betas"]),
-                        eps=group["eps"],
-                        weight_decay=group["weight_decay"],
-                        adamw=self._adamw,
-                        param_copy=None if copy is None else copy[lo:hi],
-                    )
-                    if copy is None:
-                        work[lo:hi].copy_(rows[0])
-                    del rows
-                p.partial.add(k)  # updated: a failure from here on is the write's
-            del work, copy
+            self._update_in(p, p.view(torch.from_dlpack(w)).view(-1), group, scale, grad)
         p.partial = None
         p.has_grad = False
         p.micro_batches = 0
         p.norm_sq = 0.0
+
+    def _update_in(
+        self,
+        p: _Param,
+        work: torch.Tensor,
+        group: dict,
+        scale: float,
+        grad: torch.Tensor | None,
+    ) -> None:
+        """_update_pieces' pieces, `work` the working copy in its leased store."""
+        copy = work if work.dtype in (torch.bfloat16, torch.float16) else None
+        use_acc = grad is None or p.has_grad
+        for k, piece in enumerate(p.pieces):
+            if k in p.partial:
+                continue
+            lo, hi = piece.lo, piece.hi
+            self._ahead(p, k, acc=use_acc)
+            with self._rt.acquire(piece.states, Tier.HOST, Access.READ_WRITE) as lease:
+                rows = torch.from_dlpack(lease)
+                if use_acc:
+                    with self._rt.acquire(piece.acc, Tier.HOST, Access.READ_WRITE) as a:
+                        g = torch.from_dlpack(a).clone()
+                    if grad is not None:
+                        g.add_(grad[lo:hi])  # the accumulated micro-batches, then this one
+                    if scale != 1.0:
+                        g.mul_(scale)
+                else:
+                    g = grad[lo:hi]
+                _kernel.adam_step(
+                    rows[0],
+                    g,
+                    rows[1],
+                    rows[2],
+                    step=p.step,
+                    lr=group["lr"],
+                    betas=tuple(group["betas"]),
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                    adamw=self._adamw,
+                    param_copy=None if copy is None else copy[lo:hi],
+                )
+                if copy is None:
+                    work[lo:hi].copy_(rows[0])
+                del rows, g
+            p.partial.add(k)  # updated: a failure from here on is the write's
 
     def _wait(self) -> None:
         self._tasks.join()
@@ -747,6 +834,7 @@ class TrainOptimizer(torch.optim.Optimizer):
         runtime was made), steps, updates_during_backward, and the runtime's and pipeline's."""
         rt = self._trainer.runtime.stats()
         moved = rt["transfers"]
+        acts = self._trainer.activations
         return {
             "peak_device_bytes": rt["tiers"]["Device"]["peak_bytes"],
             "peak_host_bytes": rt["tiers"]["Host"]["peak_bytes"],
@@ -757,6 +845,13 @@ class TrainOptimizer(torch.optim.Optimizer):
             "steps": self.steps,
             "updates_during_backward": self.updates_during_backward,
             "pipeline": self._trainer.pipeline.stats(),
+            "activations": None
+            if acts is None
+            else {
+                "offloaded": acts.offloaded,
+                "offloaded_bytes": acts.offloaded_bytes,
+                "kept": acts.kept,
+            },
             "runtime": rt,
         }
 
@@ -819,20 +914,19 @@ class TrainOptimizer(torch.optim.Optimizer):
 
 def _read_rows(rt: Runtime, p: _Param) -> torch.Tensor:
     rows = torch.empty((3, p.shape.numel()), dtype=torch.float32)
-    for rows_t, lo, hi in p.pieces:
-        with rt.acquire(rows_t, Tier.HOST, Access.READ) as lease:
-            rows[:, lo:hi].copy_(torch.from_dlpack(lease)[:3])
+    for piece in p.pieces:
+        with rt.acquire(piece.states, Tier.HOST, Access.READ) as lease:
+            rows[:, piece.lo : piece.hi].copy_(torch.from_dlpack(lease))
     return rows
 
 
 def _write_rows(rt: Runtime, p: _Param, master: Any, m: Any, v: Any) -> None:
     src = [t.detach().to("cpu", torch.float32).reshape(-1) for t in (master, m, v)]
-    for rows_t, lo, hi in p.pieces:
-        with rt.acquire(rows_t, Tier.HOST, Access.READ_WRITE) as lease:
+    for piece in p.pieces:
+        with rt.acquire(piece.states, Tier.HOST, Access.READ_WRITE) as lease:
             rows = torch.from_dlpack(lease)
             for r in range(3):
-                rows[r].copy_(src[r][lo:hi])
-            rows[3].zero_()
+                rows[r].copy_(src[r][piece.lo : piece.hi])
             del rows
 
 
@@ -874,6 +968,7 @@ def offload(
     nvme_capacity: Budget | None = None,
     dtype: torch.dtype | None = None,
     checkpoint_activations: bool = False,
+    offload_activations: bool | Budget = False,
     max_grad_norm: float | None = None,
     accumulation_steps: int = 1,
     sub_group_size: int | None = None,
@@ -891,6 +986,9 @@ def offload(
     and get no state. The module's parameters become placeholders; its buffers move to `device`.
     `runtime` uses a Runtime of the caller's instead of making one (its budgets); `home`
     ("host" or "nvme", "nvme" by default when `nvme_dir` is given) says where the tensors live.
+    `offload_activations` (True: "1MiB", or the least bytes a tensor must have) moves what
+    backward keeps of the activations, every block's inputs with `checkpoint_activations`, to
+    the host tier (Note [Offloaded activations]).
     """
     if isinstance(model, (str, os.PathLike)):
         model = _from_checkpoint_dir(model, dtype)
@@ -942,9 +1040,9 @@ def offload(
             nvme_capacity += _on_stripes(prm.numel() * work_dtype[id(prm)].itemsize)
             if prm.requires_grad:
                 for lo, hi in _piece_bounds(prm.numel(), sub_group_size or prm.numel()):
-                    nvme_capacity += _on_stripes(4 * _PIECE_ROWS * (hi - lo))
-        if sub_group_size is None:  # pieces not known yet: a stripe more for each 64 Ki elements
-            nvme_capacity += _STRIPE * (trainable_elems // (1 << 16) + len(unique))
+                    nvme_capacity += _on_stripes(12 * (hi - lo)) + _on_stripes(4 * (hi - lo))
+        if sub_group_size is None:  # pieces not known yet: 2 stripes more for each 64 Ki elements
+            nvme_capacity += 2 * _STRIPE * (trainable_elems // (1 << 16) + len(unique))
     if runtime is None:
         runtime = make_runtime(
             dev, device_budget, host_budget, nvme_dir, nvme_capacity or "4MiB", stripe=_STRIPE
@@ -1064,12 +1162,13 @@ def offload(
                 continue
             master = prm.detach().to("cpu", torch.float32).reshape(-1)
             for k, (lo, hi) in enumerate(_piece_bounds(prm.numel(), sub_group_size)):
-                init = torch.zeros((_PIECE_ROWS, hi - lo), dtype=torch.float32)
+                init = torch.zeros((3, hi - lo), dtype=torch.float32)
                 init[0].copy_(master[lo:hi])
-                rows = runtime.create_tensor(
+                states = runtime.create_tensor(
                     f"s{k}.{p.name}", tuple(init.shape), torch.float32, home=home, init=init
                 )
-                p.pieces.append((rows, lo, hi))
+                acc = runtime.create_tensor(f"g{k}.{p.name}", (hi - lo,), torch.float32, home=home)
+                p.pieces.append(_Piece(states, acc, lo, hi))
                 del init
     # The module keeps placeholders; its buffers go to the device.
     for block in built:
@@ -1079,6 +1178,10 @@ def offload(
         for bname_, buf in list(owner._buffers.items()):
             if buf is not None:
                 owner._buffers[bname_] = buf.to(dev)
+    acts = None
+    if offload_activations is not False and offload_activations is not None:
+        least = "1MiB" if offload_activations is True else offload_activations
+        acts = ActivationOffload(runtime, Tier.HOST, _min_bytes(least))
     trainer = _Trainer(
         model,
         runtime,
@@ -1087,6 +1190,7 @@ def offload(
         dev,
         prefetch,
         checkpoint_activations,
+        acts,
     )
     opt = TrainOptimizer(
         trainer,
@@ -1209,9 +1313,9 @@ def save_checkpoint(
 
             def read(p: _Param = p, r: int = r) -> torch.Tensor:
                 out = torch.empty(p.shape.numel(), dtype=torch.float32)
-                for rows_t, lo, hi in p.pieces:
-                    with rt.acquire(rows_t, Tier.HOST, Access.READ) as lease:
-                        out[lo:hi].copy_(torch.from_dlpack(lease)[r])
+                for piece in p.pieces:
+                    with rt.acquire(piece.states, Tier.HOST, Access.READ) as lease:
+                        out[piece.lo : piece.hi].copy_(torch.from_dlpack(lease)[r])
                 return out.view(p.shape)
 
             opt_items.append((f"{i}.{label}", 4 * p.shape.numel(), read))
