@@ -18,6 +18,7 @@ worker thread while backward goes on.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import math
 import os
@@ -107,6 +108,17 @@ __all__ = ["TrainOptimizer", "load_checkpoint", "offload", "parameters", "save_c
 # hooks around apply). Backward brings each back, the one saved before it prefetched; the bytes
 # round-trip exactly, so the gradients are the same bits.
 
+# Note [Write-behind]
+# ~~~~~~~~~~~~~~~~~~~
+# When the NVMe-homed states do not fit the host tier, every piece an update touches is
+# evicted again before the step is over, and making room is synchronous: the worker's next
+# lease would wait for the write-back of a piece it finished, then for its own read. So each
+# piece the worker has written is demoted at once by a thread of its own (write-behind), the
+# disk writing one piece while the worker reads the next and computes; the room is free (a
+# clean drop) by the time a lease asks for it. A write-back that fails leaves the piece's
+# copy dirty on the host (Note [Making room] of room.cpp): nothing is lost, and the eviction
+# that needs the room later tries again and raises where the step sees it.
+
 _AGAIN = "step() again finishes it"
 _LEASE_TRIES = 3  # a block's lease is tried again after an I/O error, this many times in all
 _PIECE_ROWS = 4  # fp32 elements a trainable element keeps: master, moments, gradient
@@ -149,6 +161,9 @@ class _Param:
     norm_sq: float = 0.0  # of the accumulated gradient, at its last micro-batch (clipping)
     has_grad: bool = False  # its accumulator holds a gradient not yet applied
     partial: set[int] | None = None  # pieces updated by an update that failed half-way
+    # The gradient of this micro-batch's uses delivered so far, when more are to come (a tied
+    # weight's head, before its embedding): a gradient in flight, in memory.
+    pending: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -520,6 +535,19 @@ def _stop_workers() -> None:
         opt.close()
 
 
+def _write_behind(ref: weakref.ReferenceType, writes: queue.Queue) -> None:
+    """Note [Write-behind]: demotes each tensor queued to NVMe (a failure leaves its newest
+    copy where it was, dirty: the next eviction writes it, or raises where a step sees it)."""
+    while (t := writes.get()) is not None:
+        opt = ref()
+        if opt is not None:
+            try:
+                opt._rt.evict(t, Tier.HOST)
+            except Error:
+                opt.write_behind_failures += 1
+        del opt
+
+
 def _work(ref: weakref.ReferenceType, tasks: queue.Queue) -> None:
     """The update thread: holds the optimizer only while it runs a task, so the optimizer can
     be collected (which queues the None that ends this)."""
@@ -565,6 +593,7 @@ class TrainOptimizer(torch.optim.Optimizer):
         weight_decay: float,
         max_grad_norm: float | None,
         accumulation_steps: int,
+        write_behind: bool = False,
     ) -> None:
         self._trainer = trainer
         self._train = [p for p in trainer.params if p.trainable]
@@ -599,6 +628,18 @@ class TrainOptimizer(torch.optim.Optimizer):
         )
         self._worker.start()
         weakref.finalize(self, self._tasks.put, None)
+        self._writes: queue.Queue[Tensor | None] | None = None
+        self.write_behind_failures = 0  # demotions that failed (the pieces kept, dirty)
+        if write_behind:  # Note [Write-behind]
+            self._writes = queue.Queue()
+            self._writer = threading.Thread(
+                target=_write_behind,
+                args=(weakref.ref(self), self._writes),
+                name="strata-write-behind",
+                daemon=True,
+            )
+            self._writer.start()
+            weakref.finalize(self, self._writes.put, None)
         _LIVE.add(self)
         trainer.optimizer = weakref.ref(self)
 
@@ -616,10 +657,14 @@ class TrainOptimizer(torch.optim.Optimizer):
         self._tasks.put(tasks)
 
     def _run(self, tasks: list[_Task]) -> None:
-        for task in tasks:
+        for i, task in enumerate(tasks):
             if self._failure is not None or self._unfinished:
                 self._unfinished.append(task)
                 continue
+            if i == 0:
+                self._hint(task.param)
+            if i + 1 < len(tasks):  # its reads under way while this one computes
+                self._hint(tasks[i + 1].param)
             try:
                 self._accumulate(task)
             except Error as e:  # raised by step()
@@ -637,6 +682,13 @@ class TrainOptimizer(torch.optim.Optimizer):
 
     def _accumulate_pieces(self, task: _Task) -> None:
         p, g = task.param, task.grad
+        if not task.complete:  # another use of p in this micro-batch follows (a tied weight)
+            if g is not None:  # kept in memory till then: no trip through the accumulator
+                p.pending = g if p.pending is None else p.pending.add_(g)
+            return
+        if p.pending is not None:  # the earlier uses', then this one's (torch's order)
+            g = p.pending if g is None else p.pending.add_(g)
+            task.grad, p.pending = g, None  # a retry goes on with the sum
         if task.fused is None:  # decided once, so that a retry goes on the same way
             task.fused = (
                 g is not None
@@ -666,6 +718,8 @@ class TrainOptimizer(torch.optim.Optimizer):
                         acc.add_(g[piece.lo : piece.hi])
                     del acc
                 task.done.add(k)
+                if self._writes is not None:
+                    self._writes.put(piece.acc)
             p.has_grad = True
         if not task.complete:
             return
@@ -681,6 +735,16 @@ class TrainOptimizer(torch.optim.Optimizer):
         if p.micro_batches % self.accumulation_steps == 0:
             self._update_pieces(p, 1.0)
             self.updates_during_backward += 1
+
+    def _hint(self, p: _Param) -> None:
+        """Starts bringing `p`'s store and first piece of states (NVMe-homed) to the host."""
+        if not p.pieces or self._rt.resident(p.pieces[0].states, Tier.HOST):
+            return
+        # A hint: no room now, or a failed write-back making it (the lease that follows
+        # meets that again and raises where the step sees it), is no error here.
+        with contextlib.suppress(Error):
+            self._rt.prefetch(p.store, Tier.HOST)
+            self._rt.prefetch(p.pieces[0].states, Tier.HOST)
 
     def _ahead(self, p: _Param, k: int, acc: bool = False, states: bool = True) -> None:
         """Brings piece k + 1 of `p` (NVMe-homed) to the host while piece k works."""
@@ -770,6 +834,10 @@ class TrainOptimizer(torch.optim.Optimizer):
                     work[lo:hi].copy_(rows[0])
                 del rows, g
             p.partial.add(k)  # updated: a failure from here on is the write's
+            if self._writes is not None:
+                self._writes.put(piece.states)
+                if use_acc:
+                    self._writes.put(piece.acc)
 
     def _wait(self) -> None:
         self._tasks.join()
@@ -844,6 +912,8 @@ class TrainOptimizer(torch.optim.Optimizer):
             "nvme_bytes_written": moved["bytes_host_to_nvme"] + moved["bytes_device_to_nvme"],
             "steps": self.steps,
             "updates_during_backward": self.updates_during_backward,
+            "write_behind": self._writes is not None,
+            "write_behind_failures": self.write_behind_failures,
             "pipeline": self._trainer.pipeline.stats(),
             "activations": None
             if acts is None
@@ -910,6 +980,9 @@ class TrainOptimizer(torch.optim.Optimizer):
         if self._worker.is_alive():
             self._tasks.put(None)
             self._worker.join()
+        if self._writes is not None and self._writer.is_alive():
+            self._writes.put(None)
+            self._writer.join()
 
 
 def _read_rows(rt: Runtime, p: _Param) -> torch.Tensor:
@@ -1201,6 +1274,8 @@ def offload(
         weight_decay,
         max_grad_norm,
         accumulation_steps,
+        # Note [Write-behind]: the states cycle through a host tier that cannot hold them.
+        write_behind=home == Tier.NVME and work_bytes + state_bytes > host_cap,
     )
     model._strata_trainer = trainer  # type: ignore[attr-defined]
     return model, opt
