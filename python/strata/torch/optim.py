@@ -33,6 +33,7 @@ from .._core import Access, Tier
 from .._errors import InvalidArgumentError, NotFoundError, OutOfMemoryError
 from .._pipeline import PrefetchPipeline
 from .._runtime import Runtime, Tensor
+from . import _threads
 from ._runtimes import in_pages, runtime_with_nvme
 
 _OFFLOAD = {"host": Tier.HOST, "nvme": Tier.NVME}
@@ -276,13 +277,9 @@ class _StrataAdam(torch.optim.Optimizer):
                     'use offload="nvme"'
                 )
         if self._hooks:
-            self._worker = threading.Thread(
-                target=_work,
-                args=(weakref.ref(self), self._ready),
-                name="strata-adam",
-                daemon=True,
+            self._worker = _threads.start(  # ended at exit (_threads.py)
+                _work, (weakref.ref(self), self._ready), self._ready, "strata-adam"
             )
-            self._worker.start()
             weakref.finalize(self, self._ready.put, None)
 
     def _track(self, gi: int) -> None:

@@ -17,13 +17,11 @@ worker thread while backward goes on.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import math
 import os
 import queue
-import threading
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -46,6 +44,7 @@ from .._errors import (
 )
 from .._pipeline import PrefetchPipeline
 from .._runtime import Lease, Runtime, Tensor
+from . import _threads
 from ._activations import ActivationOffload
 from ._activations import _bytes as _min_bytes
 from ._offload import _placeholder, find_blocks
@@ -524,17 +523,6 @@ class _Leased:
         tr.pipeline._core.end_step()
 
 
-# Optimizers whose worker runs: stopped before the interpreter finalizes (a daemon thread that
-# wakes during finalization is ended from inside whatever C++ frame it is in: terminate).
-_LIVE: weakref.WeakSet[TrainOptimizer] = weakref.WeakSet()
-
-
-@atexit.register
-def _stop_workers() -> None:
-    for opt in list(_LIVE):
-        opt.close()
-
-
 def _write_behind(ref: weakref.ReferenceType, writes: queue.Queue) -> None:
     """Note [Write-behind]: demotes each tensor queued to NVMe (a failure leaves its newest
     copy where it was, dirty: the next eviction writes it, or raises where a step sees it)."""
@@ -623,24 +611,22 @@ class TrainOptimizer(torch.optim.Optimizer):
         self._unfinished: list[_Task] = []
         self._scale: float | None = None  # this step's clip, once computed
         self._rt = trainer.runtime  # the worker leases on the host tier directly
-        self._worker = threading.Thread(
-            target=_work, args=(weakref.ref(self), self._tasks), name="strata-adam", daemon=True
+        # Both threads end at exit (_threads.py).
+        self._worker = _threads.start(
+            _work, (weakref.ref(self), self._tasks), self._tasks, "strata-adam"
         )
-        self._worker.start()
         weakref.finalize(self, self._tasks.put, None)
         self._writes: queue.Queue[Tensor | None] | None = None
         self.write_behind_failures = 0  # demotions that failed (the pieces kept, dirty)
         if write_behind:  # Note [Write-behind]
             self._writes = queue.Queue()
-            self._writer = threading.Thread(
-                target=_write_behind,
-                args=(weakref.ref(self), self._writes),
-                name="strata-write-behind",
-                daemon=True,
+            self._writer = _threads.start(
+                _write_behind,
+                (weakref.ref(self), self._writes),
+                self._writes,
+                "strata-write-behind",
             )
-            self._writer.start()
             weakref.finalize(self, self._writes.put, None)
-        _LIVE.add(self)
         trainer.optimizer = weakref.ref(self)
 
     # -- the worker --
