@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -45,7 +48,7 @@ def child(args: argparse.Namespace) -> dict:
     state = training_bytes(model)
     params = sum(p.numel() for p in model.parameters())
     work_bytes = 4 * params
-    if args.child == "memory":
+    if args.child.startswith("memory"):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     else:
         kw = {"device_budget": state // args.ratio}
@@ -59,7 +62,7 @@ def child(args: argparse.Namespace) -> dict:
     reset_peak_rss()
     for i in range(args.steps + 1):
         ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
-        before = opt.stats()["runtime"]["transfers"] if args.child != "memory" else None
+        before = None if args.child.startswith("memory") else opt.stats()["runtime"]["transfers"]
         t = time.perf_counter()
         model(ids, labels=ids, use_cache=False).loss.backward()
         t_backward = time.perf_counter()
@@ -83,7 +86,7 @@ def child(args: argparse.Namespace) -> dict:
         "peak_rss_bytes": status_bytes("VmHWM"),
         "base_rss_bytes": base_rss,
     }
-    if args.child != "memory":
+    if not args.child.startswith("memory"):
         stats = opt.stats()
         last = moved[len(moved) // 2]
         out.update(
@@ -107,6 +110,25 @@ def child(args: argparse.Namespace) -> dict:
             pipeline=stats["pipeline"],
         )
     return out
+
+
+def fio_reader(directory: str) -> list[str] | None:
+    """fio reading a 1 GiB file of `directory` at the disk's limit (1 MiB, 8 deep, O_DIRECT,
+    io_uring) until killed: the load under which the in-memory step is timed again
+    (compute_under_io_s), as bench/compute-under-io.sh does; None without fio."""
+    if shutil.which("fio") is None:
+        return None
+    path = str(Path(directory) / "fio-read.bin")
+    base = ["fio", "--name=r", f"--filename={path}", "--size=1g", "--bs=1m", "--direct=1"]
+    subprocess.run([*base, "--rw=write"], capture_output=True, check=True)  # laid out once
+    return [
+        *base,
+        "--rw=read",
+        "--iodepth=8",
+        "--ioengine=io_uring",
+        "--time_based",
+        "--runtime=3600",
+    ]
 
 
 def disk_rates(directory: str) -> dict:
@@ -135,7 +157,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ratios", default="4,8", help="training bytes / device budget")
-    ap.add_argument("--child", choices=["memory", "host", "nvme"])
+    ap.add_argument("--child", choices=["memory", "memory-io", "host", "nvme"])
     ap.add_argument("--ratio", type=int, default=4)
     args = ap.parse_args()
     if args.child:
@@ -143,9 +165,12 @@ def main() -> None:
         return
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     rates = disk_rates(args.dir)
-    kinds = [("memory", 0)] + [
-        (k, int(r)) for r in args.ratios.split(",") for k in ("host", "nvme")
-    ]
+    reader = fio_reader(args.dir)
+    kinds = (
+        [("memory", 0)]
+        + ([("memory-io", 0)] if reader else [])
+        + [(k, int(r)) for r in args.ratios.split(",") for k in ("host", "nvme")]
+    )
     runs: dict[str, list[dict]] = {f"{k}{'' if r == 0 else f'-{r}x'}": [] for k, r in kinds}
     for rnd in range(args.rounds):
         order = kinds if rnd % 2 == 0 else kinds[::-1]
@@ -153,7 +178,15 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--child", kind, "--ratio", str(ratio or 4)]
             for k in ("dir", "layers", "hidden", "vocab", "batch", "seq", "steps", "threads"):
                 cmd += [f"--{k}", str(getattr(args, k))]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            fio = None
+            if kind == "memory-io":  # its own group: fio forks its job, killed with it
+                fio = subprocess.Popen(reader, stdout=subprocess.DEVNULL, start_new_session=True)
+            try:
+                out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            finally:
+                if fio is not None:
+                    os.killpg(fio.pid, signal.SIGKILL)
+                    fio.wait()
             if out.returncode != 0:
                 raise SystemExit(f"{kind} {ratio}x failed:\n{out.stderr[-3000:]}")
             name = f"{kind}{'' if ratio == 0 else f'-{ratio}x'}"
@@ -164,6 +197,12 @@ def main() -> None:
     # The compute a step cannot hide: forward and backward (the update can run behind backward,
     # as strata's does; torch's in memory runs after it).
     compute_s = statistics.median(r["forward_backward_s"] for r in mem)
+    # The same compute while fio reads the disk at its limit: what perfect overlap would cost
+    # on a machine whose disk reads slow its compute (this VM's, bench/compute-under-io.sh).
+    under_io = runs.get("memory-io", [])
+    compute_io_s = (
+        statistics.median(r["forward_backward_s"] for r in under_io) if under_io else None
+    )
     tokens = args.batch * args.seq
     report: dict = {
         "model": {
@@ -188,8 +227,11 @@ def main() -> None:
             "step_s_runs": [round(s, 4) for r in mem for s in r["step_s_runs"]],
         },
     }
+    if compute_io_s is not None:
+        report["memory"]["compute_under_io_s"] = round(compute_io_s, 4)
+        report["memory"]["compute_slowdown_under_io"] = round(compute_io_s / compute_s, 3)
     for name, rs in runs.items():
-        if name == "memory":
+        if name.startswith("memory"):
             continue
         step_s = statistics.median(r["step_s"] for r in rs)
         last = rs[-1]
@@ -205,6 +247,11 @@ def main() -> None:
             "compute_s": round(compute_s, 4),
             "io_s": round(io_s, 4),
             "roofline": round(roofline, 3),
+            # The step against the compute alone under a disk read at the disk's limit (a
+            # reference, not a bound: fio reads more than the step does)
+            "step_over_compute_under_io": None
+            if compute_io_s is None or not name.startswith("nvme")
+            else round(step_s / compute_io_s, 3),
             "figures_trusted": trusted,
             "warning": None
             if trusted
