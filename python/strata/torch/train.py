@@ -795,8 +795,8 @@ class TrainOptimizer(torch.optim.Optimizer):
             with self._rt.acquire(piece.states, Tier.HOST, Access.READ_WRITE) as lease:
                 rows = torch.from_dlpack(lease)
                 if use_acc:
-                    with self._rt.acquire(piece.acc, Tier.HOST, Access.READ_WRITE) as a:
-                        g = torch.from_dlpack(a).clone()
+                    with self._rt.acquire(piece.acc, Tier.HOST, Access.READ) as a:
+                        g = torch.from_dlpack(a).clone()  # read only: no write-back owed
                     if grad is not None:
                         g.add_(grad[lo:hi])  # the accumulated micro-batches, then this one
                     if scale != 1.0:
