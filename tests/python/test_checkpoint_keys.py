@@ -128,7 +128,10 @@ def test_fused_experts_are_built_once_from_the_per_expert_tensors(
 
     monkeypatch.setattr(_keys.Conversion, "build", counted)
     budget = _third(path)
-    model = st.load_model(path, device=DEVICE, runtime=_runtime(budget, tmp_path))
+    # experts="whole": each layer leased with all its experts, as a dense layer.
+    model = st.load_model(
+        path, device=DEVICE, runtime=_runtime(budget, tmp_path), experts="whole"
+    )
     with torch.no_grad():
         model.generate(_ids(1).to(DEVICE), max_new_tokens=4, do_sample=False)
     # gate_up_proj and down_proj of each of the 4 layers: each built once, at load.
@@ -144,8 +147,8 @@ def test_fused_experts_are_built_once_from_the_per_expert_tensors(
 
 @pytest.mark.parametrize("family", ["gpt_neox", "mixtral"])
 def test_compression_follows_the_mapped_keys(checkpoints, family, tmp_path):
-    # A renamed linear weight (GPT-NeoX's embed_out) is compressed under its checkpoint key; a
-    # fused one (Mixtral's experts) is built from the files at full width.
+    # A renamed linear weight (GPT-NeoX's embed_out) is compressed under its checkpoint key, and
+    # so is each of Mixtral's per-expert tensors (w1, w2, w3: leased one by one).
     path = checkpoints[family]
     model = st.load_model(
         path,
@@ -155,7 +158,8 @@ def test_compression_follows_the_mapped_keys(checkpoints, family, tmp_path):
         compress_cache=tmp_path,
     )
     layers = 5 if family == "gpt_neox" else 4
-    per_layer = 4  # GPT-NeoX: qkv, dense, h_to_4h, 4h_to_h; Mixtral: q, k, v, o
+    # GPT-NeoX: qkv, dense, h_to_4h, 4h_to_h; Mixtral: q, k, v, o and 3 per each of 4 experts
+    per_layer = 4 if family == "gpt_neox" else 4 + 3 * 4
     assert model.strata.compression.compressed_tensors == layers * per_layer + 1  # and the head
     ids = _ids(1).to(DEVICE)
     with torch.no_grad():
@@ -205,10 +209,10 @@ def _without(src, dst, name):
     return dst
 
 
-def _fails_cleanly(path, error, match):
+def _fails_cleanly(path, error, match, **kwargs):
     rt = st.make_runtime("cpu", "8MiB", "8MiB")
     with pytest.raises(error, match=match):
-        st.load_model(path, runtime=rt)
+        st.load_model(path, runtime=rt, **kwargs)
     stats = rt.stats()
     assert stats["tensors"] == 0
     assert all(t["leased_bytes"] == 0 for t in stats["tiers"].values())
@@ -236,7 +240,21 @@ def test_a_missing_layer_tensor_names_the_parameter(checkpoints, tmp_path):
     )
 
 
-def test_a_missing_expert_names_the_fused_parameter(checkpoints, tmp_path):
+def test_a_missing_expert_names_its_tensor(checkpoints, tmp_path):
+    # Experts leased one by one (the default): the tensor the checkpoint lacks is named.
+    name = "model.layers.1.block_sparse_moe.experts.2.w2.weight"
+    path = _without(checkpoints["mixtral"], tmp_path / "ck", name)
+    _fails_cleanly(
+        path,
+        strata.NotFoundError,
+        r"experts 'model.layers.1.mlp.experts.down_proj': the checkpoint has no tensor "
+        rf"'{name}' \(transformers' MergeModulelist of 3 checkpoint tensors\)",
+    )
+
+
+def test_a_missing_expert_names_the_fused_parameter_when_layers_are_leased_whole(
+    checkpoints, tmp_path
+):
     name = "model.layers.1.block_sparse_moe.experts.2.w2.weight"
     path = _without(checkpoints["mixtral"], tmp_path / "ck", name)
     _fails_cleanly(
@@ -245,4 +263,5 @@ def test_a_missing_expert_names_the_fused_parameter(checkpoints, tmp_path):
         r"tensor 'model.layers.1.mlp.experts.down_proj' in '.*model.safetensors', built by "
         r"transformers' MergeModulelist of 3 checkpoint tensors, has shape \(3, 96, 128\), "
         r"parameter 'model.layers.1.mlp.experts.down_proj' of the model \(4, 96, 128\)",
+        experts="whole",
     )

@@ -61,6 +61,8 @@ def load_model(
     compress_group: int = 64,
     compress_rule: Any = None,
     compress_cache: str | os.PathLike[str] | None = None,
+    experts: str = "leased",
+    expert_compute: str = "auto",
 ) -> nn.Module:
     """A transformers model from a local checkpoint directory (config.json and its safetensors
     files, sharded or not), ready to run with its weights in strata's tiers::
@@ -81,7 +83,14 @@ def load_model(
     leased; the first load writes the compressed cache (a progress bar), later ones reuse it
     while the checkpoint is unchanged. `compress_rule(name, shape, dtype) -> bool` picks other
     tensors; `compress_group` is the group size; `compress_cache` the cache's directory
-    (default: `nvme_dir`). See offload().
+    (default: `nvme_dir`).
+
+    A mixture-of-experts model (Mixtral, Qwen2-MoE, Qwen3-MoE, any whose experts module follows
+    transformers' experts interface) has its routed experts leased one by one, only those the
+    router picks (``experts="leased"``; ``"whole"`` leases each layer with all of them), cached on
+    the tiers by routing frequency and prefetched by applying the next layer's router ahead;
+    ``model.strata.stats()["experts"]`` counts hits, misses, bytes moved and guesses. See
+    offload().
     """
     import transformers
 
@@ -111,5 +120,7 @@ def load_model(
         compress_group=compress_group,
         compress_rule=compress_rule,
         compress_cache=compress_cache,
+        experts=experts,
+        expert_compute=expert_compute,
     )
     return model

@@ -25,6 +25,7 @@ from .._pipeline import PrefetchPipeline
 from .._runtime import Lease, Runtime, Tensor
 from ._checkpoint import Checkpoint, MappedTensor, checkpoint_files, map_checkpoint
 from ._compress import Rule, compress_checkpoint
+from ._experts import ExpertCache, ExpertLayer, build_experts, find_experts, find_router
 from ._keys import KeyMap, checkpoint_keys
 from ._runtimes import Budget, make_runtime
 
@@ -164,12 +165,16 @@ class Offloaded:
         self._implicit_iteration = False
         # What compress= did (strata.torch._compress.CacheReport), None without it.
         self.compression: Any = None
+        # The routed experts leased one by one (Note [Leased experts]), None without any.
+        self.experts: ExpertCache | None = None
 
     # The root's forward is one iteration.
     def _begin_iteration(self, *_: Any) -> None:
         self._depth += 1
         if self._depth == 1:
             self.pipeline._core.begin_iteration()
+            if self.experts is not None:
+                self.experts.begin_forward()
 
     def _end_iteration(self, *_: Any) -> None:
         self._depth -= 1
@@ -228,14 +233,22 @@ class Offloaded:
             self._hooks.append(block.module.register_forward_hook(post, always_call=True))
 
     def stats(self) -> dict[str, Any]:
-        """{"pipeline": prefetches, on-demand loads, steps ...; "runtime": per-tier counters}."""
-        return {"pipeline": self.pipeline.stats(), "runtime": self.runtime.stats()}
+        """{"pipeline": prefetches, on-demand loads, steps ...; "runtime": per-tier counters;
+        with routed experts, "experts": hits, host_hits, misses, bytes_moved, the pre-gating
+        guesses, in all and per layer (Note [The expert cache])}."""
+        out = {"pipeline": self.pipeline.stats(), "runtime": self.runtime.stats()}
+        if self.experts is not None:
+            out["experts"] = self.experts.stats()
+        return out
 
     def remove(self) -> None:
         """Takes the hooks off and destroys the tensors offload() mapped."""
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        if self.experts is not None:
+            self.experts.close()
+            self.experts = None
         for t in self._owned:
             self.runtime.destroy(t)
         self._owned.clear()
@@ -249,11 +262,16 @@ class Offloaded:
 
 
 def _selector(
-    module: nn.Module, tensors: Mapping[str, MappedTensor], keys: KeyMap, rule: Rule | None
+    module: nn.Module,
+    tensors: Mapping[str, MappedTensor],
+    keys: KeyMap,
+    rule: Rule | None,
+    expert_keys: Sequence[str] = (),
 ) -> Rule:
     """Which checkpoint tensors to compress: parameters only (buffers are read on the host),
     those `rule` picks; by default the 2-D weights of linear layers (nn.Linear, transformers'
-    Conv1D) that no embedding shares (a tied lm_head stays full width with its embedding)."""
+    Conv1D) that no embedding shares (a tied lm_head stays full width with its embedding), and
+    the routed experts' 2-D weights (`expert_keys`, Note [Leased experts])."""
     # Per parameter object (tied ones are one): every name it goes by, and whether every use is
     # a linear layer's 2-D weight.
     names_of: dict[int, list[str]] = {}
@@ -273,6 +291,9 @@ def _selector(
         if mapped is not None:
             name = mapped.tensor.name
             linear[name] = linear.get(name, True) and linear_use[pid]
+    for name in expert_keys:
+        if name in tensors and len(tensors[name].tensor.shape) == 2:
+            linear.setdefault(name, True)
 
     def select(name: str, shape: tuple[int, ...], dtype: str) -> bool:
         if name not in linear:
@@ -312,9 +333,11 @@ def _build_conversions(
     tensors: Mapping[str, MappedTensor],
     runtime: Runtime,
     owned: list[Tensor],
+    skip: set[str] = frozenset(),  # type: ignore[assignment]
 ) -> dict[str, MappedTensor]:
     """The tensors of the converted parameters (Note [Converted parameters]), added to `owned`
-    as they are made."""
+    as they are made; not those whose names are all in `skip` (routed experts, built per expert
+    by strata.torch._experts)."""
 
     def read(key: str) -> torch.Tensor:
         m = tensors[key]
@@ -323,6 +346,8 @@ def _build_conversions(
 
     built: dict[str, MappedTensor] = {}
     for conversion in keys.conversions():
+        if all(t in skip for t in conversion.targets):
+            continue
         how = f"transformers' {conversion.describe()} ({conversion.keys[0]!r}, ...)"
         try:
             out = conversion.build(read, module)
@@ -372,6 +397,8 @@ def offload(
     compress_rule: Rule | None = None,
     compress_cache: str | os.PathLike[str] | None = None,
     verify_cache: bool = True,
+    experts: str = "leased",
+    expert_compute: str = "auto",
 ) -> Offloaded:
     """Runs `module` with its parameters in a strata Runtime, leased block by block.
 
@@ -392,6 +419,12 @@ def offload(
     converts floating parameters as they are leased (default: the file's dtype). Persistent
     buffers found in the checkpoint are copied into the module once; the others stay as built.
 
+    A mixture-of-experts model's routed experts (transformers' experts modules) are leased one
+    by one as the router picks them (``experts="leased"``, Note [Leased experts]), kept on the
+    tiers by routing frequency (Note [The expert cache]) and prefetched by pre-gating (Note
+    [Pre-gating]); ``experts="whole"`` leases each layer with all its experts. On the host tier
+    an expert may be computed where it is (`expert_compute`, Note [Where an expert runs]).
+
     Every parameter must be found with the right shape, and every block must fit the device
     budget, before anything runs: otherwise NotFoundError, InvalidArgumentError or
     OutOfMemoryError name the tensor (and file) or block and the sizes, and the tensors mapped
@@ -402,6 +435,9 @@ def offload(
         dev = torch.device("cuda", 0)
     if runtime is None:
         runtime = make_runtime(dev, device_budget, host_budget, nvme_dir)
+    if experts not in ("leased", "whole"):
+        raise InvalidArgumentError(f"experts={experts!r}: expected 'leased' or 'whole'")
+    expert_modules = find_experts(module) if experts == "leased" else []
     owned: list[Tensor] = []
     if checkpoint is None:
         raise InvalidArgumentError("offload: give a checkpoint (path or files) or tensors")
@@ -414,16 +450,28 @@ def offload(
         tensors = map_checkpoint(runtime, checkpoint_files(checkpoint))
         owned = [m.tensor for m in tensors.values()]
     keys = checkpoint_keys(module, tensors)
+    # Every name a parameter object goes by (tied weights have several).
+    names_of: dict[int, list[str]] = {}
+    for qualname, p in module.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(qualname)
+    expert_names = {
+        names_of[id(p)][0] for _, m in expert_modules for p in m.parameters(recurse=False)
+    }
+    expert_keys = [
+        k for name in expert_names if (c := keys.conversion_of(name)) is not None for k in c.keys
+    ]
     report = None
+    compressed: set[int] = set()
     if compress is not None:
         if isinstance(checkpoint, Mapping):
             raise InvalidArgumentError("offload: compress= needs a checkpoint's files")
         cache = compress_cache or nvme_dir or Path.home() / ".cache" / "strata" / "compressed"
+        full_width = {n: m.tensor.id for n, m in tensors.items()}
         try:
             tensors, report = compress_checkpoint(
                 runtime,
                 tensors,
-                _selector(module, tensors, keys, compress_rule),
+                _selector(module, tensors, keys, compress_rule, expert_keys),
                 compress=compress,
                 group=compress_group,
                 cache_dir=Path(cache),
@@ -434,18 +482,27 @@ def offload(
                 runtime.destroy(t)
             raise
         owned = [m.tensor for m in tensors.values()]
+        compressed = {m.tensor.id for n, m in tensors.items() if full_width.get(n) != m.tensor.id}
     try:
-        tensors = {**tensors, **_build_conversions(module, keys, tensors, runtime, owned)}
-        # Every name a parameter object goes by (tied weights have several).
-        names_of: dict[int, list[str]] = {}
-        for qualname, p in module.named_parameters(remove_duplicate=False):
-            names_of.setdefault(id(p), []).append(qualname)
+        tensors = {
+            **tensors,
+            **_build_conversions(module, keys, tensors, runtime, owned, expert_names),
+        }
+        layers = [
+            build_experts(
+                name, m, i, lambda p: names_of[id(p)][0], tensors, keys, runtime, owned, dtype
+            )
+            for i, (name, m) in enumerate(expert_modules)
+        ]
+        expert_params = {id(p) for _, m in expert_modules for p in m.parameters(recurse=False)}
         found: list[Block] = []
         budget = _device_budget(runtime)
         for block_name, block_module in find_blocks(module, blocks):
             block = Block(block_name, block_module)
             index_of: dict[int, int] = {}
             for local, p in block_module.named_parameters(remove_duplicate=False):
+                if id(p) in expert_params:
+                    continue  # leased expert by expert (Note [Leased experts])
                 qualnames = names_of[id(p)]
                 mapped = _resolve(qualnames, tensors, keys)
                 if mapped is None:
@@ -488,6 +545,8 @@ def offload(
                     f"{budget} bytes ({budget / 2**20:.1f} MiB): raise device_budget"
                 )
             found.append(block)
+        routers = _routers(module, expert_modules, layers, names_of, tensors, keys)
+        shares = _expert_shares(layers, found, routers, expert_modules, runtime, budget)
         _copy_buffers(module, tensors, keys, runtime, dev)
     except BaseException:
         for t in owned:
@@ -496,11 +555,94 @@ def offload(
     for block in found:
         for slot in block.slots:
             slot.owner._parameters[slot.name] = slot.placeholder
-    handle = Offloaded(module, runtime, PrefetchPipeline(runtime, prefetch), found, owned, dev)
+    for _, m in expert_modules:
+        for attr, p in list(m.named_parameters(recurse=False)):
+            m._parameters[attr] = _placeholder(p.shape, p.dtype, dev)
+    if layers:
+        # Note [The expert cache]: the dense blocks are prefetched one ahead, so that the
+        # current block, the next and an expert fit together; with less, on demand.
+        room = 2 * max(b.nbytes for b in found) + max(e.nbytes for lr in layers for e in lr.experts)
+        if prefetch == "auto":
+            prefetch = "fixed" if not budget or room <= budget else "none"
+        pipeline = PrefetchPipeline(runtime, prefetch, fixed_lookahead=1)
+    else:
+        pipeline = PrefetchPipeline(runtime, prefetch)
+    handle = Offloaded(module, runtime, pipeline, found, owned, dev)
     handle.compression = report
+    if layers:
+        cache = ExpertCache(runtime, layers, dev, shares[0], shares[1], expert_compute, compressed)
+        cache.set_routers(routers)
+        cache.install()
+        handle.experts = cache
     handle._install()
     module.__dict__["strata"] = handle
     return handle
+
+
+def _routers(
+    module: nn.Module,
+    expert_modules: Sequence[tuple[str, nn.Module]],
+    layers: Sequence[ExpertLayer],
+    names_of: Mapping[int, list[str]],
+    tensors: Mapping[str, MappedTensor],
+    keys: KeyMap,
+) -> dict[int, tuple[Tensor, tuple[int, ...]]]:
+    """Each experts layer's router weight, when its sparse block has one (Note [Pre-gating]):
+    the tensor and its shape, by layer index."""
+    out: dict[int, tuple[Tensor, tuple[int, ...]]] = {}
+    hidden = getattr(getattr(module, "config", None), "hidden_size", None)
+    for (name, m), layer in zip(expert_modules, layers):
+        parent = module.get_submodule(name.rpartition(".")[0])
+        w = next(iter(layer.experts[0].slices.values())).shape
+        size = hidden or (w[0] if m.is_transposed else w[-1])
+        router = find_router(parent, len(layer.experts), int(size))
+        if router is None:
+            continue
+        mapped = _resolve(names_of[id(router.weight)], tensors, keys)
+        if mapped is not None and torch_dtype(mapped.tensor.dtype).is_floating_point:
+            out[layer.index] = (mapped.tensor, tuple(router.weight.shape))
+    return out
+
+
+def _expert_shares(
+    layers: Sequence[ExpertLayer],
+    blocks: Sequence[Block],
+    routers: Mapping[int, tuple[Tensor, tuple[int, ...]]],
+    expert_modules: Sequence[tuple[str, nn.Module]],
+    runtime: Runtime,
+    budget: int,
+) -> tuple[int, int]:
+    """The device and host bytes the expert cache may keep (Note [The expert cache]); a device
+    budget below a layer's dense block, its largest expert and the next layer's router (leased
+    for pre-gating) is an OutOfMemoryError with both numbers."""
+    if not layers:
+        return 0, 0
+    router = max((t.nbytes for t, _ in routers.values()), default=0)
+    largest_block = max((b.nbytes for b in blocks), default=0)
+    if budget:
+        for (name, _), layer in zip(expert_modules, layers):
+            block = next(
+                (b for b in blocks if name == b.name or name.startswith(b.name + ".")), None
+            )
+            dense = block.nbytes if block is not None else 0
+            one = max(e.nbytes for e in layer.experts)
+            need = dense + one + router
+            if need > budget:
+                raise OutOfMemoryError(
+                    f"experts {name!r}: its layer's dense block"
+                    f"{' ' + repr(block.name) if block else ''} ({dense} bytes), its largest "
+                    f"expert ({one} bytes) and a router for pre-gating ({router} bytes) "
+                    f"need {need} bytes ({need / 2**20:.1f} MiB) on the device tier at once, the "
+                    f"device budget is {budget} bytes ({budget / 2**20:.1f} MiB): raise "
+                    "device_budget"
+                )
+    host = 0
+    for key, value in runtime.stats().get("tiers", {}).items():
+        if key.lower() == "host":
+            host = int(value["capacity_bytes"])
+    device_share = budget - 2 * largest_block - router if budget else 0
+    host_share = host - 2 * largest_block if host else 0
+    return max(device_share, 0), max(host_share, 0)
 
 
 def _files(tensors: Mapping[str, MappedTensor]) -> str:

@@ -1,0 +1,734 @@
+"""Mixture-of-experts layers whose routed experts are leased one by one, the router deciding
+what moves (Note [Leased experts]): finding a model's experts modules, the strata tensors of each
+expert, the expert cache (Note [The expert cache]) and the pre-gating prefetch (Note [Pre-gating]).
+offload() (strata.torch._offload) calls in here; nothing here leases a dense block.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._core import Access, Tier
+from .._errors import InvalidArgumentError, NotFoundError, UnsupportedError
+from .._runtime import Lease, Runtime, Tensor
+from ._checkpoint import MappedTensor
+from ._keys import Conversion, KeyMap
+
+# Note [Leased experts]
+# ~~~~~~~~~~~~~~~~~~~~~~
+# transformers keeps a layer's routed experts as one module whose parameters are 3-D, the first
+# dimension the expert (its class decorated by transformers.integrations.moe's
+# use_experts_implementation: gate_up_proj or up_proj, down_proj, their biases with has_bias).
+# Leased whole with its layer, every token would read every expert. Here each expert's slice of
+# each parameter is its own strata tensor, or a few of them (its parts):
+#   - a checkpoint with one tensor per expert (Mixtral's experts.{i}.w1/w3/w2, Qwen's
+#     experts.{i}.gate_proj/up_proj/down_proj), which transformers stacks (MergeModulelist) and
+#     concatenates (Concatenate): the slice is those tensors of expert i, mapped in place in their
+#     file, joined along the concatenated dimension when leased;
+#   - a checkpoint holding the fused 3-D tensor: the slice is the byte range of expert i in the
+#     file, mapped in place as a tensor of its own;
+#   - any other conversion: transformers' converter is run for expert i alone once, at load, and
+#     the slice is a tensor of the runtime homed on the host tier (written to NVMe when the host
+#     budget is full), as Note [Converted parameters] does for a whole parameter.
+# The dense part of the layer (attention, norms, router, shared experts) stays its block. The
+# experts module's forward is replaced by one that computes what transformers' eager experts
+# implementation computes, in the same order with the same kernels (so the logits are the same
+# bits), leasing only the experts that some token of the batch was routed to, one at a time, the
+# next ones prefetched meanwhile. A module named like an experts module that does not follow
+# the interface is refused before anything runs, named.
+
+# A module of one of these classes' layout is supported: (parameter attribute, required).
+_GATED = ("gate_up_proj", "down_proj")
+_UNGATED = ("up_proj", "down_proj")
+
+
+def _is_experts_interface(m: nn.Module) -> bool:
+    return all(hasattr(m, a) for a in ("has_gate", "has_bias", "is_transposed", "num_experts"))
+
+
+def _looks_like_experts(name: str, m: nn.Module) -> bool:
+    leaf = name.rpartition(".")[2]
+    return leaf == "experts" or type(m).__name__.endswith("Experts")
+
+
+def find_experts(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The experts modules of `root` in module order (Note [Leased experts]); a module that looks
+    like one (named `experts`, or of a class named ...Experts) with parameters but without
+    transformers' experts interface is an UnsupportedError naming it and its class."""
+    out: list[tuple[str, nn.Module]] = []
+    for name, m in root.named_modules():
+        if any(name.startswith(n + ".") for n, _ in out):
+            continue
+        if _is_experts_interface(m):
+            _check_layout(name, m)
+            out.append((name, m))
+        elif (
+            _looks_like_experts(name, m)
+            and isinstance(m, nn.ModuleList)
+            and next(m.parameters(), None) is not None
+        ):
+            raise UnsupportedError(
+                f"experts module {name!r} ({type(m).__name__}) is a list of expert modules, not "
+                "transformers' experts interface (3-D gate_up_proj/down_proj, "
+                "@use_experts_implementation): strata cannot lease its experts one by one; pass "
+                "blocks=[...] to lease each layer whole"
+            )
+        elif (
+            _looks_like_experts(name, m)
+            and not isinstance(m, nn.ModuleList)
+            and any(p.dim() == 3 for p in m.parameters(recurse=False))
+        ):
+            raise UnsupportedError(
+                f"experts module {name!r} ({type(m).__name__}) has 3-D parameters "
+                f"{[n for n, p in m.named_parameters(recurse=False)]} but not transformers' experts "
+                "interface (@use_experts_implementation): its layout is unknown to strata"
+            )
+    return out
+
+
+def _check_layout(name: str, m: nn.Module) -> None:
+    wanted = _GATED if m.has_gate else _UNGATED
+    if m.has_bias:
+        wanted = wanted + tuple(f"{w}_bias" for w in wanted)
+    params = dict(m.named_parameters(recurse=False))
+    missing = [w for w in wanted if w not in params]
+    extra = [n for n in params if n not in wanted]
+    problems = []
+    if missing or extra:
+        problems.append(f"parameters {sorted(params)} (expected {list(wanted)})")
+    if getattr(m, "has_post_expert_norm", False):
+        problems.append("has_post_expert_norm")
+    if any(p.shape[0] != m.num_experts for p in params.values()):
+        problems.append(f"a parameter whose first dimension is not num_experts={m.num_experts}")
+    with_params = [n for n, c in m.named_children() if next(c.parameters(), None) is not None]
+    if with_params:
+        problems.append(f"submodules with parameters {with_params}")
+    if problems:
+        raise UnsupportedError(
+            f"experts module {name!r} ({type(m).__name__}): layout unknown to strata: "
+            + "; ".join(problems)
+        )
+
+
+@dataclass
+class _Slice:
+    """Expert e's slice of one parameter: the tensors that, joined along `dim`, make it."""
+
+    parts: list[Tensor]
+    dim: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class Expert:
+    """One routed expert of one layer: its slices (by parameter attribute) and their bytes."""
+
+    layer: int
+    index: int
+    slices: dict[str, _Slice]
+
+    @property
+    def tensors(self) -> list[Tensor]:
+        return [t for s in self.slices.values() for t in s.parts]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+@dataclass
+class _LayerStats:
+    hits: int = 0
+    host_hits: int = 0
+    misses: int = 0
+    bytes_moved: int = 0
+    guessed: int = 0
+    guessed_right: int = 0
+    routed: int = 0  # experts used, summed over forwards
+    routed_after_guess: int = 0  # of those, in forwards that had a guess
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dict(vars(self))
+        d["hit_rate"] = round(self.hits / self.routed, 4) if self.routed else None
+        d["guess_accuracy"] = (
+            round(self.guessed_right / self.routed_after_guess, 4)
+            if self.routed_after_guess
+            else None
+        )
+        return d
+
+
+@dataclass
+class ExpertLayer:
+    """An experts module under strata: its experts, its router's weight for pre-gating (Note
+    [Pre-gating]), what was guessed for its next forward and its counters."""
+
+    name: str
+    module: nn.Module
+    index: int
+    experts: list[Expert]
+    top_k: int
+    router: Tensor | None = None
+    guess: set[int] = field(default_factory=set)
+    stats: _LayerStats = field(default_factory=_LayerStats)
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    from ._offload import torch_dtype
+
+    return torch_dtype(name)
+
+
+def _fused_slices(
+    qualname: str, mapped: MappedTensor, runtime: Runtime, owned: list[Tensor], n: int
+) -> list[Tensor]:
+    """Expert e's byte range of a fused 3-D tensor in its file, each mapped in place."""
+    from ._compress import _read_header
+
+    t = mapped.tensor
+    if getattr(t, "compressed", False):
+        raise UnsupportedError(f"{qualname!r}: a compressed fused experts tensor cannot be sliced")
+    header, data_start = _read_header(mapped.path)
+    entry = header.get(t.name)
+    if entry is None:  # a tensor strata built, not one of the file's
+        raise UnsupportedError(f"{qualname!r}: {t.name!r} is not a tensor of {str(mapped.path)!r}")
+    begin = data_start + int(entry["data_offsets"][0])
+    step = t.nbytes // n
+    out = []
+    for e in range(n):
+        s = runtime.map_tensor(
+            f"{t.name}[{e}]", t.shape[1:], t.dtype, mapped.path, begin + e * step
+        )
+        owned.append(s)
+        out.append(s)
+    return out
+
+
+def _per_expert_parts(conversion: Conversion, n: int) -> tuple[list[list[str]], int] | None:
+    """When `conversion` stacks one tensor per expert (and joins a few such along a dimension):
+    for each expert its source keys in join order, and the slice's join dimension; else None."""
+    ops = [type(op).__name__ for op in getattr(conversion.converter, "operations", [])]
+    if not ops or ops[0] != "MergeModulelist" or conversion.converter.operations[0].dim != 0:
+        return None
+    if ops == ["MergeModulelist"] and len(conversion.sources) == 1:
+        dim = 0
+    elif ops == ["MergeModulelist", "Concatenate"] and conversion.converter.operations[1].dim >= 1:
+        dim = conversion.converter.operations[1].dim - 1
+    else:
+        return None
+    if len(conversion.targets) != 1:
+        return None
+    per_expert: list[list[str]] = [[] for _ in range(n)]
+    for keys in conversion.sources.values():
+        if len(keys) != n:
+            return None
+        for e, k in enumerate(keys):
+            per_expert[e].append(k)
+    return per_expert, dim
+
+
+def _missing_expert(conversion: Conversion, n: int) -> str | None:
+    """The checkpoint key of an expert that the conversion's sources lack (named from another
+    expert's key), or None when every source pattern has its n tensors."""
+    import re
+
+    for pattern, keys in conversion.sources.items():
+        if len(keys) == n:
+            continue
+        rx = re.compile(re.escape(pattern).replace(r"\*", r"(\d+)"))
+        found: dict[int, str] = {}
+        for k in keys:
+            m = rx.search(k)
+            if m is not None:
+                found[int(m.group(1))] = k
+        absent = [e for e in range(n) if e not in found]
+        if found and absent:
+            sample = next(iter(found.values()))
+            m = rx.search(sample)
+            assert m is not None
+            return sample[: m.start(1)] + str(absent[0]) + sample[m.end(1) :]
+        return f"{n - len(keys)} of the {n} tensors matching {pattern!r}"
+    return None
+
+
+def build_experts(
+    name: str,
+    module: nn.Module,
+    index: int,
+    qualname_of: Callable[[nn.Parameter], str],
+    tensors: Mapping[str, MappedTensor],
+    keys: KeyMap,
+    runtime: Runtime,
+    owned: list[Tensor],
+    dtype: torch.dtype | None,
+) -> ExpertLayer:
+    """The ExpertLayer of the experts module `name` (Note [Leased experts]): each expert's
+    slices found in (or built from) the checkpoint `tensors`. A missing expert tensor is a
+    NotFoundError naming its key; a slice of the wrong shape an InvalidArgumentError."""
+    n = int(module.num_experts)
+    slices: list[dict[str, _Slice]] = [{} for _ in range(n)]
+    for attr, p in module.named_parameters(recurse=False):
+        qualname = qualname_of(p)
+        shape = tuple(p.shape[1:])
+        conversion = keys.conversion_of(qualname)
+        if conversion is not None:
+            missing = _missing_expert(conversion, n)
+            if missing is not None:
+                raise NotFoundError(
+                    f"experts {qualname!r}: the checkpoint has no tensor {missing!r} "
+                    f"(transformers' {conversion.describe()})"
+                )
+            plan = _per_expert_parts(conversion, n)
+            if plan is None:
+                parts = _built_slices(qualname, conversion, n, tensors, runtime, owned, module)
+                for e in range(n):
+                    slices[e][attr] = _Slice([parts[e]], 0, shape, p.dtype)
+            else:
+                per_expert, dim = plan
+                for e, ks in enumerate(per_expert):
+                    for k in ks:
+                        if k not in tensors:
+                            raise NotFoundError(
+                                f"experts {qualname!r}: the checkpoint has no tensor {k!r}"
+                            )
+                    slices[e][attr] = _Slice([tensors[k].tensor for k in ks], dim, shape, p.dtype)
+        else:
+            key = keys.key_of(qualname, tensors)
+            if key is None:
+                raise NotFoundError(
+                    f"experts {qualname!r} {tuple(p.shape)}: in none of the checkpoint's files "
+                    f"({keys.tried(qualname)})"
+                )
+            mapped = tensors[key]
+            if tuple(mapped.tensor.shape) != tuple(p.shape):
+                raise InvalidArgumentError(
+                    f"tensor {key!r} in {str(mapped.path)!r} has shape "
+                    f"{tuple(mapped.tensor.shape)}, experts parameter {qualname!r} {tuple(p.shape)}"
+                )
+            for e, s in enumerate(_fused_slices(qualname, mapped, runtime, owned, n)):
+                slices[e][attr] = _Slice([s], 0, shape, p.dtype)
+    for e in range(n):
+        for attr, s in slices[e].items():
+            got = list(s.parts[0].shape)
+            got[s.dim] = sum(t.shape[s.dim] for t in s.parts)
+            if tuple(got) != s.shape:
+                raise InvalidArgumentError(
+                    f"expert {e} of {name!r}: {attr} from {[t.name for t in s.parts]} has shape "
+                    f"{tuple(got)}, the module's slice {s.shape}"
+                )
+            file_dtype = _torch_dtype(s.parts[0].dtype)
+            s.dtype = dtype if (dtype is not None and file_dtype.is_floating_point) else file_dtype
+    experts = [Expert(index, e, slices[e]) for e in range(n)]
+    top_k = _top_k(module)
+    return ExpertLayer(name, module, index, experts, top_k)
+
+
+def _built_slices(
+    qualname: str,
+    conversion: Conversion,
+    n: int,
+    tensors: Mapping[str, MappedTensor],
+    runtime: Runtime,
+    owned: list[Tensor],
+    model: nn.Module,
+) -> list[Tensor]:
+    """Expert e's slice built once by transformers' converter run on expert e's tensors alone,
+    homed on the host tier (Note [Leased experts], third case)."""
+    from copy import copy
+
+    def read(key: str) -> torch.Tensor:
+        m = tensors[key]
+        with runtime.acquire(m.tensor, Tier.HOST, Access.READ) as lease:
+            return torch.from_dlpack(lease).clone().view(m.tensor.shape)
+
+    out = []
+    for e in range(n):
+        one = copy(conversion)
+        one.sources = {p: [keys[e]] for p, keys in conversion.sources.items()}
+        built = one.build(read, model)[qualname].detach()
+        if built.dim() >= 1 and built.shape[0] == 1:
+            built = built[0]
+        value = built.contiguous()
+        t = runtime.create_tensor(
+            f"{qualname}[{e}]", tuple(value.shape), value.dtype, Tier.HOST, value
+        )
+        owned.append(t)
+        out.append(t)
+    return out
+
+
+def _top_k(module: nn.Module) -> int:
+    config = getattr(module, "config", None)
+    for attr in ("num_experts_per_tok", "top_k", "moe_topk"):
+        v = getattr(config, attr, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return 1
+
+
+def find_router(parent: nn.Module, n: int, hidden: int) -> nn.Module | None:
+    """The router of a sparse block: its child holding an (n, hidden) weight (`gate`, `router`)."""
+    for child_name in ("gate", "router"):
+        child = getattr(parent, child_name, None)
+        w = getattr(child, "weight", None)
+        if isinstance(w, torch.Tensor) and tuple(w.shape) == (n, hidden):
+            return child
+    return None
+
+
+# Note [The expert cache]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# Between forwards the experts used stay on the device tier (and the host tier) as unleased
+# copies, within a share of each budget: the device budget less twice the largest dense block
+# (the block leased and the one prefetched); the host budget less the same. The pipeline then
+# prefetches the dense blocks one step ahead (prefetch="auto" becomes "fixed" with a lookahead
+# of 1, or on demand when two blocks and an expert do not fit the device budget together):
+# its default, as far ahead as the budget allows, would hold every byte of the device tier in
+# leases of blocks to come, and an expert's lease would wait for room that only the expert's
+# own layer can free.
+# When the experts kept on a tier exceed their share, those with the lowest score are evicted
+# from it: the score is the routing frequency with aging (each forward multiplies every count by
+# DECAY and adds one to each expert used), ties going to the least recently used. An expert
+# used once long ago thus yields to one used often lately, and one used every few tokens stays
+# where pure LRU would let a burst of one-off experts push it out. Which tier held a needed
+# expert is counted per layer: `hits` (the device tier), `host_hits` (the host tier), `misses`
+# (neither: read from its file or NVMe); `bytes_moved` counts the bytes brought to the device
+# tier (by demand or by a guess).
+#
+# Note [Pre-gating]
+# ~~~~~~~~~~~~~~~~~~
+# The recorded schedule cannot say which experts the next layer will use. As a layer's experts
+# start, the next experts layer's router weight (leased for the moment from the next layer's
+# block, which the pipeline is bringing meanwhile) is applied to this layer's hidden states: the top_k
+# experts of each token under it are that layer's guess, prefetched to the device tier behind this
+# layer's own experts (with the most frequent experts of that layer when there is no router
+# found). The residual stream changes little from one layer to the next, so the guess is mostly
+# right; `guessed_right` / `routed` is how often. A wrong guess costs bandwidth, never a result:
+# the experts used are leased by what the router chose.
+#
+# Note [Where an expert runs]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# An expert found on the host tier but not on the device tier need not move: on the host
+# backend it is computed from its host copy (the same kernel, so the same bits), with no copy
+# into the device arena. On CUDA (expert_compute="auto") it runs on the CPU from its host copy
+# when the batch is small enough that the CPU's time for it is below the copy's time over the
+# link, both measured as the model runs (CPU seconds per token-byte from the experts computed
+# there, the link's bytes per second from the experts copied); "device" always copies, "host"
+# always computes a host-resident expert on the host. A compressed expert's host copy is
+# quantized, so it always runs on the device.
+
+DECAY = 0.9
+
+
+class ExpertCache:
+    """The experts of every experts module of one Offloaded model: their leases, the cache
+    policy (Note [The expert cache]), the pre-gating prefetch (Note [Pre-gating]) and where each
+    runs (Note [Where an expert runs])."""
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        layers: list[ExpertLayer],
+        device: torch.device,
+        device_share: int,
+        host_share: int,
+        compute: str,
+        compressed: set[int] = frozenset(),  # type: ignore[assignment]
+    ) -> None:
+        if compute not in ("auto", "device", "host"):
+            raise InvalidArgumentError(
+                f"expert_compute={compute!r}: expected 'auto', 'device' or 'host'"
+            )
+        self.runtime = runtime
+        self.layers = layers
+        self.device = device
+        self.share = {Tier.DEVICE: max(device_share, 0), Tier.HOST: max(host_share, 0)}
+        self.compute = compute
+        self._compressed = compressed  # ids of tensors stored compressed (device-only leases)
+        self._score: dict[tuple[int, int], float] = {}
+        self._last: dict[tuple[int, int], int] = {}
+        self._kept: dict[Tier, dict[tuple[int, int], int]] = {Tier.DEVICE: {}, Tier.HOST: {}}
+        self._clock = 0
+        self._protected: set[tuple[int, int]] = set()
+        self._routers: dict[int, tuple[Tensor, tuple[int, ...]]] = {}
+        # Note [Where an expert runs]: measured CPU seconds per (token x byte), link bytes/s.
+        self._cpu_rate: float | None = None
+        self._link_rate: float | None = None
+        self._hooks: list[Any] = []
+
+    # -- setup --
+
+    def set_routers(self, routers: Mapping[int, tuple[Tensor, tuple[int, ...]]]) -> None:
+        """Each layer's router weight (a tensor of its dense block) and shape, for pre-gating."""
+        self._routers = dict(routers)
+        for index, (tensor, _) in routers.items():
+            self.layers[index].router = tensor
+
+    def install(self) -> None:
+        for layer in self.layers:
+            layer.module.forward = types.MethodType(_make_forward(self, layer), layer.module)
+
+    def begin_forward(self) -> None:
+        """A forward of the model starts: counts age (Note [The expert cache])."""
+        self._clock += 1
+        self._protected = set()
+        for k in self._score:
+            self._score[k] *= DECAY
+        if self.layers and self._score:  # the first layer has no layer before it to pre-gate
+            self._guess_by_frequency(self.layers[0])
+
+    def _guess_by_frequency(self, layer: ExpertLayer, room: int | None = None) -> None:
+        ranked = sorted(
+            range(len(layer.experts)), key=lambda e: -self._score.get((layer.index, e), 0.0)
+        )
+        self._prefetch_guess(layer, ranked[: min(layer.top_k, len(layer.experts))], room)
+
+    def _prefetch_guess(self, layer: ExpertLayer, chosen: list[int], room: int | None) -> None:
+        """Prefetches the guessed experts of `layer` to the device tier within `room` bytes (the
+        device share by default), protected from eviction until that layer runs."""
+        layer.guess = set(chosen)
+        budget = self.share[Tier.DEVICE] if room is None else room
+        for e in chosen:
+            expert = layer.experts[e]
+            if expert.nbytes > budget:
+                break
+            budget -= expert.nbytes
+            self._protected.add((layer.index, e))
+            self._bring(expert, layer.stats)
+
+    def close(self) -> None:
+        for layer in self.layers:
+            layer.module.__dict__.pop("forward", None)
+        self._routers.clear()
+
+    # -- the policy --
+
+    def _resident(self, expert: Expert, tier: Tier) -> bool:
+        return all(self.runtime.resident(t, tier) for t in expert.tensors)
+
+    def _keep(self, expert: Expert, tier: Tier) -> None:
+        key = (expert.layer, expert.index)
+        kept = self._kept[tier]
+        for k in [k for k in kept if k != key]:  # those the runtime evicted to make room
+            if not self._resident(self.layers[k[0]].experts[k[1]], tier):
+                del kept[k]
+        kept[key] = expert.nbytes
+        total = sum(kept.values())
+        if total <= self.share[tier]:
+            return
+        # Never the experts this layer is about to use nor those guessed for the next one: they
+        # were just brought, and their score (0 for a first guess) would make them go first.
+        protected = self._protected
+        victims = sorted(
+            (k for k in kept if k != key and k not in protected),
+            key=lambda k: (self._score.get(k, 0.0), self._last.get(k, 0)),
+        )
+        for k in victims:
+            if total <= self.share[tier]:
+                break
+            victim = self.layers[k[0]].experts[k[1]]
+            for t in victim.tensors:
+                self.runtime.evict(t, tier)
+            total -= kept.pop(k)
+
+    def _used(self, expert: Expert) -> None:
+        key = (expert.layer, expert.index)
+        self._score[key] = self._score.get(key, 0.0) + 1.0
+        self._last[key] = self._clock
+
+    def _bring(self, expert: Expert, stats: _LayerStats) -> None:
+        """Starts moving `expert` to the device tier unless it is there."""
+        if not self._resident(expert, Tier.DEVICE):
+            for t in expert.tensors:
+                self.runtime.prefetch(t, Tier.DEVICE)
+            stats.bytes_moved += expert.nbytes
+            self._keep(expert, Tier.DEVICE)
+
+    def _where(self, expert: Expert, tokens: int) -> Tier:
+        """The tier `expert` is leased on for this batch (Note [Where an expert runs])."""
+        if self._resident(expert, Tier.DEVICE) or self.compute == "device":
+            return Tier.DEVICE
+        if any(t.id in self._compressed for t in expert.tensors):
+            return Tier.DEVICE
+        if not self._resident(expert, Tier.HOST):
+            return Tier.DEVICE
+        if self.device.type == "cpu" or self.compute == "host":
+            return Tier.HOST
+        if self._cpu_rate is None or self._link_rate is None:
+            return Tier.HOST if self._cpu_rate is None else Tier.DEVICE
+        cpu_s = self._cpu_rate * tokens * expert.nbytes
+        link_s = expert.nbytes / self._link_rate
+        return Tier.HOST if cpu_s < link_s else Tier.DEVICE
+
+    def _guess(self, layer: ExpertLayer, hidden: torch.Tensor, room: int) -> None:
+        """Guesses and prefetches the next experts layer's experts (Note [Pre-gating])."""
+        if layer.index + 1 >= len(self.layers):
+            return
+        nxt = self.layers[layer.index + 1]
+        router = self._routers.get(nxt.index)
+        k = min(nxt.top_k, len(nxt.experts))
+        if router is None:
+            self._guess_by_frequency(nxt, room)
+            return
+        # The router is in the next layer's block, which the pipeline is bringing meanwhile.
+        tensor, shape = router
+        with self.runtime.acquire(tensor, Tier.DEVICE, Access.READ) as lease, torch.no_grad():
+            weight = torch.from_dlpack(lease).view(shape)
+            logits = nn.functional.linear(hidden.to(weight.dtype), weight)
+            chosen = torch.topk(logits, k, dim=-1).indices.unique().tolist()
+        self._prefetch_guess(nxt, chosen, room)
+
+    # -- a forward --
+
+    def run(
+        self,
+        layer: ExpertLayer,
+        module: nn.Module,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        """What transformers' eager experts forward computes, each expert leased in turn."""
+        import time
+
+        n = len(layer.experts)
+        final = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            mask = nn.functional.one_hot(top_k_index, num_classes=n + 1).permute(2, 1, 0)
+            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        used = [int(e) for e in hit[:, 0].tolist() if int(e) != n]
+        stats = layer.stats
+        stats.routed += len(used)
+        if layer.guess:
+            stats.guessed += len(layer.guess)
+            stats.guessed_right += len(layer.guess.intersection(used))
+            stats.routed_after_guess += len(used)
+        layer.guess = set()
+        self._protected = {(layer.index, e) for e in used}
+        tokens = hidden_states.shape[0]
+        where: dict[int, Tier] = {}
+        for e in used:
+            expert = layer.experts[e]
+            if self._resident(expert, Tier.DEVICE):
+                stats.hits += 1
+            elif self._resident(expert, Tier.HOST):
+                stats.host_hits += 1
+            else:
+                stats.misses += 1
+            where[e] = self._where(expert, tokens)
+        # This layer's experts first, then the next layer's guess, behind them.
+        room = self.share[Tier.DEVICE]
+        for e in used:
+            expert = layer.experts[e]
+            if where[e] is Tier.DEVICE and expert.nbytes <= room:
+                room -= expert.nbytes
+                self._bring(expert, stats)
+        self._guess(layer, hidden_states, room)
+        for e in used:
+            expert = layer.experts[e]
+            self._used(expert)
+            tier = where[e]
+            moved = tier is Tier.DEVICE and not self._resident(expert, Tier.DEVICE)
+            start = time.perf_counter()
+            leases = [self.runtime.acquire(t, tier, Access.READ) for t in expert.tensors]
+            try:
+                got = time.perf_counter()
+                weights = _weights(expert, leases, self.device if tier is Tier.DEVICE else None)
+                top_k_pos, token_idx = torch.where(mask[e])
+                x = hidden_states[token_idx]
+                if tier is Tier.HOST and self.device.type != "cpu":
+                    x = x.to("cpu")
+                out = _expert_forward(module, weights, x)
+                out = out.to(final.device)
+                out = out * top_k_weights[token_idx, top_k_pos, None]
+                final.index_add_(0, token_idx, out.to(final.dtype))
+                done = time.perf_counter()
+            finally:
+                for lease in leases:
+                    lease.release()
+            if tier is Tier.DEVICE:
+                self._keep(expert, Tier.DEVICE)
+                if moved and got > start:
+                    self._link_rate = expert.nbytes / (got - start)
+            else:
+                self._keep(expert, Tier.HOST)
+                if self.device.type != "cpu" and token_idx.numel():
+                    self._cpu_rate = (done - got) / (token_idx.numel() * expert.nbytes)
+        return final
+
+    def stats(self) -> dict[str, Any]:
+        total = _LayerStats()
+        for layer in self.layers:
+            for k, v in vars(layer.stats).items():
+                setattr(total, k, getattr(total, k) + v)
+        out = total.as_dict()
+        out["kept_bytes"] = {
+            "device": sum(self._kept[Tier.DEVICE].values()),
+            "host": sum(self._kept[Tier.HOST].values()),
+        }
+        out["share_bytes"] = {"device": self.share[Tier.DEVICE], "host": self.share[Tier.HOST]}
+        out["layers"] = {layer.name: layer.stats.as_dict() for layer in self.layers}
+        return out
+
+
+def _weights(
+    expert: Expert, leases: Sequence[Lease], device: torch.device | None
+) -> dict[str, torch.Tensor]:
+    """Each slice of `expert` as one tensor of its shape (its parts joined, when several)."""
+    out: dict[str, torch.Tensor] = {}
+    i = 0
+    for attr, s in expert.slices.items():
+        views = []
+        for t in s.parts:
+            v = torch.from_dlpack(leases[i]).view(t.shape)
+            i += 1
+            views.append(v)
+        w = views[0] if len(views) == 1 else torch.cat(views, dim=s.dim)
+        if w.dtype != s.dtype:
+            w = w.to(s.dtype)
+        out[attr] = w
+    return out
+
+
+def _linear(module: nn.Module, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
+    if module.is_transposed:
+        y = x @ w
+        return y + b if b is not None else y
+    return nn.functional.linear(x, w, b)
+
+
+def _expert_forward(module: nn.Module, w: Mapping[str, torch.Tensor], x: torch.Tensor):
+    """One expert on its tokens, as transformers' eager experts forward computes it."""
+    bias = module.has_bias
+    if module.has_gate:
+        h = _linear(module, x, w["gate_up_proj"], w.get("gate_up_proj_bias") if bias else None)
+        h = module._apply_gate(h)
+    else:
+        h = _linear(module, x, w["up_proj"], w.get("up_proj_bias") if bias else None)
+        h = module.act_fn(h)
+    return _linear(module, h, w["down_proj"], w.get("down_proj_bias") if bias else None)
+
+
+def _make_forward(cache: ExpertCache, layer: ExpertLayer) -> Callable[..., torch.Tensor]:
+    def forward(
+        self: nn.Module,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        return cache.run(layer, self, hidden_states, top_k_index, top_k_weights)
+
+    return forward
+
+
+def placeholder_for(p: nn.Parameter, device: torch.device) -> nn.Parameter:
+    fill = math.nan if p.dtype.is_floating_point else 0
+    return nn.Parameter(torch.full((), fill, dtype=p.dtype, device=device).expand(p.shape), False)

@@ -1,0 +1,428 @@
+"""strata.torch on mixture-of-experts models (Note [Leased experts]): each routed expert leased
+on its own when the router picks it, against transformers fully in memory with its eager experts
+implementation: logits bit for bit for a prefill and for every token of greedy generation, with
+budgets a quarter of the model, for Mixtral, Qwen3-MoE and Qwen2-MoE (shared experts); a batch
+that routes to every expert, tokens routed to no cached expert, a checkpoint holding the fused
+3-D tensors, pre-gating guesses that are wrong, experts computed where they are, int8 experts;
+the cache's policy (frequency with aging, not LRU); bad input named before anything runs.
+
+Models are random-initialised from a config and written with save_pretrained (real safetensors
+files), never downloaded."""
+
+import shutil
+
+import pytest
+import strata
+import strata.torch as st
+import torch
+import transformers
+from safetensors.torch import save_file
+from strata import Access, Tier
+from strata.torch import _experts
+from test_torch_models import DEVICE
+
+VOCAB = 256
+EXPERTS = 8
+TOP_K = 2
+
+
+def _configs():
+    common = {
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128,
+        "num_experts_per_tok": TOP_K,
+        "tie_word_embeddings": False,
+    }
+    return {
+        # experts.{i}.w1/w3/w2 in the files, fused gate_up_proj/down_proj in the module
+        "mixtral": transformers.MixtralConfig(
+            **common, intermediate_size=64, num_local_experts=EXPERTS
+        ),
+        # experts.{i}.gate_proj/up_proj/down_proj; a head_dim and q/k norms of its own
+        "qwen3_moe": transformers.Qwen3MoeConfig(
+            **common, moe_intermediate_size=64, num_experts=EXPERTS, head_dim=16
+        ),
+        # a shared expert and its gate beside the routed ones (dense: in the layer's block)
+        "qwen2_moe": transformers.Qwen2MoeConfig(
+            **common,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=96,
+            num_experts=EXPERTS,
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    out = {}
+    for family, config in _configs().items():
+        torch.manual_seed(4321)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.save_pretrained(root / family)
+        out[family] = root / family
+    return out
+
+
+def _model_bytes(path):
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
+def _reference(path):
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager")
+    return model.eval().to(DEVICE)
+
+
+def _load(path, tmp_path, budget=None, **kwargs):
+    budget = budget or _model_bytes(path) // 4
+    tmp_path.mkdir(exist_ok=True)
+    rt = st.make_runtime(DEVICE, budget, budget, tmp_path, nvme_capacity="64MiB")
+    return st.load_model(path, device=DEVICE, runtime=rt, **kwargs)
+
+
+def _ids(n, length, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (n, length), generator=g).to(DEVICE)
+
+
+def _routed(ref, ids):
+    """The experts transformers' router picks in each layer for `ids`: a set per layer."""
+    with torch.no_grad():
+        out = ref(ids, output_router_logits=True)
+    return [set(torch.topk(r, TOP_K, dim=-1).indices.unique().tolist()) for r in out.router_logits]
+
+
+def _expert_stats(model):
+    return model.strata.stats()["experts"]
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen2_moe"])
+def test_logits_and_every_greedy_token_equal_transformers_with_a_quarter_of_the_model(
+    checkpoints, family, tmp_path
+):
+    path = checkpoints[family]
+    model = _load(path, tmp_path)
+    ref = _reference(path)
+    budget = _model_bytes(path) // 4
+    ids = _ids(3, 12)  # a batch of three sequences
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+    # Only the experts the router picked were leased: per layer, as many as transformers' own
+    # router chose (no layer leased whole).
+    expected = _routed(ref, ids)
+    layers = _expert_stats(model)["layers"]
+    assert [v["routed"] for v in layers.values()] == [len(s) for s in expected]
+    with torch.no_grad():
+        ours = model.generate(
+            ids[:1],
+            max_new_tokens=8,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        theirs = ref.generate(
+            ids[:1],
+            max_new_tokens=8,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    assert torch.equal(ours.sequences, theirs.sequences)
+    assert len(ours.logits) == 8
+    for step, (a, b) in enumerate(zip(ours.logits, theirs.logits)):
+        assert torch.equal(a, b), f"token {step}"
+    stats = model.strata.stats()
+    device = stats["runtime"]["tiers"]["Device"]
+    assert device["peak_bytes"] <= budget and device["leased_bytes"] == 0
+    experts = stats["experts"]
+    assert experts["hits"] + experts["host_hits"] + experts["misses"] == experts["routed"]
+    assert experts["misses"] > 0
+    assert 0 <= experts["guessed_right"] <= experts["guessed"]
+    assert 0.0 <= experts["guess_accuracy"] <= 1.0
+
+
+def test_experts_stay_on_the_device_tier_between_tokens(checkpoints, tmp_path):
+    # A device budget that holds the whole model: each expert is read once, at its first use;
+    # every later token that routes to it finds it on the device tier.
+    path = checkpoints["qwen3_moe"]
+    model = _load(path, tmp_path, budget=2 * _model_bytes(path))
+    ref = _reference(path)
+    ids = _ids(1, 4)
+    with torch.no_grad():
+        ours = model.generate(ids, max_new_tokens=12, do_sample=False)
+        assert torch.equal(ours, ref.generate(ids, max_new_tokens=12, do_sample=False))
+    stats = _expert_stats(model)
+    cache = model.strata.experts
+    one = cache.layers[0].experts[0].nbytes
+    used = len(cache._score)  # the experts routed to at least once
+    on_device = [
+        e for layer in cache.layers for e in layer.experts if cache._resident(e, Tier.DEVICE)
+    ]
+    # Nothing left the device tier: every expert moved (used, or guessed) is there, moved once.
+    assert model.strata.stats()["runtime"]["tiers"]["Device"]["evictions"] == 0
+    assert len(on_device) >= used and stats["bytes_moved"] == len(on_device) * one
+    assert stats["misses"] <= used
+    assert stats["hits"] == stats["routed"] - stats["misses"] > stats["misses"]
+    assert stats["host_hits"] == 0
+
+
+def test_a_decode_step_reads_its_routed_experts_not_the_layer(checkpoints, tmp_path):
+    # One token through a cold model: the bytes read from the files are the dense blocks and
+    # the experts leased or guessed, far from the whole model.
+    path = checkpoints["qwen3_moe"]
+    model = _load(path, tmp_path)
+    ids = _ids(1, 1)
+    with torch.no_grad():
+        model(ids)
+    stats = model.strata.stats()
+    experts = stats["experts"]
+    dense = sum(b.nbytes for b in model.strata.blocks)
+    one = model.strata.experts.layers[0].experts[0].nbytes
+    read = stats["runtime"]["io"]["bytes_read"]
+    tensors = stats["runtime"]["tensors"]
+    # every read starts and ends on a 4 KiB boundary (O_DIRECT): at most 8 KiB more a tensor
+    bound = dense + (experts["routed"] + experts["guessed"]) * one + 8192 * tensors
+    assert experts["routed"] == 3 * TOP_K  # one token: top_k experts in each of 3 layers
+    assert read <= bound
+    assert read < 0.6 * _model_bytes(path)  # leased whole, the layers would be all of it
+
+
+def test_a_batch_that_routes_to_every_expert(checkpoints, tmp_path):
+    path = checkpoints["mixtral"]
+    model = _load(path, tmp_path)
+    ref = _reference(path)
+    ids = _ids(4, 32, seed=11)
+    assert all(len(s) == EXPERTS for s in _routed(ref, ids))  # every expert of every layer
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+    layers = _expert_stats(model)["layers"]
+    assert [v["routed"] for v in layers.values()] == [EXPERTS] * 3
+
+
+def test_tokens_routed_to_no_cached_expert(checkpoints, tmp_path):
+    path = checkpoints["qwen2_moe"]
+    model = _load(path, tmp_path)
+    ref = _reference(path)
+    with torch.no_grad():
+        model(_ids(1, 6))
+    # Nothing of any expert is left on a tier: every expert the next batch needs is a miss.
+    cache = model.strata.experts
+    for layer in cache.layers:
+        for expert in layer.experts:
+            for t in expert.tensors:
+                model.strata.runtime.evict(t, Tier.DEVICE)
+                model.strata.runtime.evict(t, Tier.HOST)
+    before = _expert_stats(model)
+    ids = _ids(2, 5, seed=3)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+    after = _expert_stats(model)
+    routed = after["routed"] - before["routed"]
+    assert routed == sum(len(s) for s in _routed(ref, ids))
+    # The guesses made within this forward may have brought some ahead; none was cached before.
+    assert after["hits"] - before["hits"] <= after["guessed_right"] - before["guessed_right"]
+    assert after["host_hits"] == before["host_hits"]
+
+
+def test_a_checkpoint_of_fused_experts_is_sliced_in_place(checkpoints, tmp_path):
+    # The module's own state dict (3-D gate_up_proj/down_proj) written as one safetensors file:
+    # each expert's bytes are a range of the fused tensor, mapped as a tensor of its own.
+    src = checkpoints["qwen3_moe"]
+    ref = _reference(src)
+    dst = tmp_path / "fused"
+    dst.mkdir()
+    shutil.copy(src / "config.json", dst / "config.json")
+    save_file(
+        {k: v.contiguous() for k, v in ref.state_dict().items()},
+        dst / "model.safetensors",
+        metadata={"format": "pt"},
+    )
+    model = _load(dst, tmp_path / "swap")
+    names = [t.name for t in model.strata.experts.layers[1].experts[5].tensors]
+    assert names == [
+        "model.layers.1.mlp.experts.gate_up_proj[5]",
+        "model.layers.1.mlp.experts.down_proj[5]",
+    ]
+    ids = _ids(2, 9)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+        ours = model.generate(ids[:1], max_new_tokens=6, do_sample=False)
+        assert torch.equal(ours, ref.generate(ids[:1], max_new_tokens=6, do_sample=False))
+
+
+def test_wrong_guesses_cost_bandwidth_never_a_result(checkpoints, tmp_path):
+    path = checkpoints["mixtral"]
+    model = _load(path, tmp_path)
+    ref = _reference(path)
+    cache = model.strata.experts
+    # Each layer pre-gated with the router of another layer and the hidden states reversed: the
+    # guesses are poor, the leased experts still those the real router picks.
+    routers = dict(cache._routers)
+    cache._routers = {i: routers[(i + 1) % len(routers)] for i in routers}
+    guess = cache._guess
+    cache._guess = lambda layer, hidden, room: guess(layer, -hidden.flip(0), room)
+    ids = _ids(2, 10)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+        ours = model.generate(ids[:1], max_new_tokens=6, do_sample=False)
+        assert torch.equal(ours, ref.generate(ids[:1], max_new_tokens=6, do_sample=False))
+    stats = _expert_stats(model)
+    assert stats["guessed"] > stats["guessed_right"]
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the host backend's host-tier compute")
+def test_an_expert_on_the_host_tier_is_computed_there(checkpoints, tmp_path):
+    # Host budget for the whole model, device budget a quarter: experts found on the host tier
+    # are computed from their host copy (the same kernel) instead of copied to the device arena.
+    path = checkpoints["mixtral"]
+    total = _model_bytes(path)
+    ids = _ids(1, 4)
+    runs = {}
+    for how in ("auto", "device"):
+        (tmp_path / how).mkdir()
+        rt = st.make_runtime("cpu", total // 4, 2 * total, tmp_path / how, nvme_capacity="64MiB")
+        model = st.load_model(path, runtime=rt, expert_compute=how)
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=6, do_sample=False)  # warms both tiers
+            logits = model(ids).logits
+        runs[how] = (logits, model.strata.stats())
+    assert torch.equal(runs["auto"][0], runs["device"][0])
+    assert torch.equal(runs["auto"][0], _reference(path)(ids).logits)
+    auto, device = runs["auto"][1], runs["device"][1]
+    assert auto["experts"]["host_hits"] > 0
+    assert auto["experts"]["bytes_moved"] < device["experts"]["bytes_moved"]
+    moved = auto["runtime"]["transfers"]["bytes_host_to_device"]
+    assert moved < device["runtime"]["transfers"]["bytes_host_to_device"]
+
+
+def test_int8_experts_are_compressed_and_close(checkpoints, tmp_path):
+    path = checkpoints["qwen3_moe"]
+    model = _load(path, tmp_path, compress="int8", compress_cache=tmp_path / "cache")
+    # per layer: q, k, v, o and gate_proj, up_proj, down_proj of each expert; the head
+    assert model.strata.compression.compressed_tensors == 3 * (4 + 3 * EXPERTS) + 1
+    ref = _reference(path)
+    ids = _ids(2, 8)
+    with torch.no_grad():
+        ours, theirs = model(ids).logits.flatten(), ref(ids).logits.flatten()
+    assert torch.nn.functional.cosine_similarity(ours, theirs, dim=0) > 0.999
+    device = model.strata.stats()["runtime"]["tiers"]["Device"]
+    assert device["dequantizations"] > 0
+
+
+# ---- the cache's policy ----------------------------------------------------------------------
+
+
+def _policy_cache(tmp_path, n, share_experts):
+    rt = st.make_runtime("cpu", "1MiB", "4MiB", tmp_path, nvme_capacity="16MiB")
+    experts = []
+    for e in range(n):
+        t = rt.create_tensor(f"e{e}", (1024,), "float32", Tier.HOST)
+        experts.append(
+            _experts.Expert(0, e, {"w": _experts._Slice([t], 0, (1024,), torch.float32)})
+        )
+    # top_k 0: no guess by frequency at a forward's start (Note [Pre-gating]), only the policy
+    layer = _experts.ExpertLayer("experts", torch.nn.Module(), 0, experts, 0)
+    cache = _experts.ExpertCache(
+        rt, [layer], torch.device("cpu"), share_experts * 4096, 0, "device"
+    )
+    return rt, cache, experts
+
+
+def _use(rt, cache, experts, used):
+    cache.begin_forward()
+    for e in used:
+        with rt.acquire(experts[e].tensors[0], Tier.DEVICE, Access.READ):
+            pass
+        cache._used(experts[e])
+        cache._keep(experts[e], Tier.DEVICE)
+
+
+def _on_device(rt, experts):
+    return {e.index for e in experts if rt.resident(e.tensors[0], Tier.DEVICE)}
+
+
+def test_an_often_used_expert_outlives_a_burst_of_one_off_experts(tmp_path):
+    rt, cache, experts = _policy_cache(tmp_path, 8, 3)
+    for _ in range(5):
+        _use(rt, cache, experts, [0])
+    _use(rt, cache, experts, [1, 2, 3, 4])  # four experts used once, after expert 0
+    # LRU would keep 2, 3, 4; routing frequency keeps 0 and the most recent of the others.
+    assert _on_device(rt, experts) == {0, 3, 4}
+
+
+def test_counts_age_so_an_expert_no_longer_used_gives_way(tmp_path):
+    rt, cache, experts = _policy_cache(tmp_path, 8, 2)
+    for _ in range(5):
+        _use(rt, cache, experts, [0])
+    for _ in range(30):  # forwards that use none of these experts
+        cache.begin_forward()
+    _use(rt, cache, experts, [1])
+    _use(rt, cache, experts, [2])
+    assert _on_device(rt, experts) == {1, 2}
+
+
+# ---- bad input --------------------------------------------------------------------------------
+
+
+class _Experts(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(4, 8, 8))
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+        self.experts = _Experts()
+
+
+def test_an_experts_module_of_unknown_layout_is_refused_before_anything_runs(tmp_path):
+    net = _Net()
+    save_file(
+        {k: v.contiguous() for k, v in net.state_dict().items()}, tmp_path / "net.safetensors"
+    )
+    rt = st.make_runtime("cpu", "1MiB", "1MiB", tmp_path)
+    with pytest.raises(
+        strata.UnsupportedError, match=r"experts module 'experts' \(_Experts\) has 3-D"
+    ):
+        st.offload(net, tmp_path / "net.safetensors", runtime=rt)
+    assert rt.stats()["tensors"] == 0
+
+
+def test_a_budget_below_a_dense_block_and_one_expert_is_named_with_both_numbers(
+    checkpoints, tmp_path
+):
+    path = checkpoints["qwen3_moe"]
+    model = _load(path, tmp_path)
+    layer = next(b for b in model.strata.blocks if b.name == "model.layers.0")
+    one = model.strata.experts.layers[0].experts[0].nbytes
+    largest = max(b.nbytes for b in model.strata.blocks)
+    budget = max(largest, layer.nbytes + one // 2)
+    if budget >= layer.nbytes + one:
+        pytest.fail("the test model's layer is not the largest block")
+    (tmp_path / "small").mkdir()
+    rt = st.make_runtime(DEVICE, budget, "8MiB", tmp_path / "small", nvme_capacity="16MiB")
+    with pytest.raises(
+        strata.OutOfMemoryError,
+        match=rf"experts 'model.layers.0.mlp.experts': its layer's dense block 'model.layers.0' "
+        rf"\({layer.nbytes} bytes\), its largest expert \({one} bytes\) and a router for "
+        r"pre-gating \(\d+ bytes\) need \d+ bytes .* on the device tier at once, the device budget "
+        r"is \d+ bytes",
+    ):
+        st.load_model(path, device=DEVICE, runtime=rt)
+    assert rt.stats()["tensors"] == 0
+
+
+def test_experts_whole_leases_each_layer_with_all_its_experts(checkpoints, tmp_path):
+    path = checkpoints["qwen3_moe"]
+    model = _load(path, tmp_path, budget=_model_bytes(path) // 2, experts="whole")
+    assert model.strata.experts is None and "experts" not in model.strata.stats()
+    layer = next(b for b in model.strata.blocks if b.name == "model.layers.0")
+    assert "model.layers.0.mlp.experts.gate_up_proj" in [t.name for t in layer.tensors]
+    with pytest.raises(strata.InvalidArgumentError, match="experts='some'"):
+        _load(path, tmp_path, experts="some")
