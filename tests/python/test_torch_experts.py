@@ -145,11 +145,14 @@ def test_logits_and_every_greedy_token_equal_transformers_with_a_quarter_of_the_
     assert 0.0 <= experts["guess_accuracy"] <= 1.0
 
 
-def test_experts_stay_on_the_device_tier_between_tokens(checkpoints, tmp_path):
-    # A device budget that holds the whole model: each expert is read once, at its first use;
-    # every later token that routes to it finds it on the device tier.
+@pytest.mark.parametrize("compute", ["device", "auto"])
+def test_experts_stay_on_their_tier_between_tokens(checkpoints, tmp_path, compute):
+    # Budgets that hold the whole model: each expert is read once, at its first use; every
+    # later token that routes to it finds it where it runs: the device tier, or on the host
+    # backend with expert_compute="auto" the host tier (Note [Where an expert runs]).
     path = checkpoints["qwen3_moe"]
-    model = _load(path, tmp_path, budget=2 * _model_bytes(path))
+    model = _load(path, tmp_path, budget=2 * _model_bytes(path), expert_compute=compute)
+    tier = Tier.HOST if compute == "auto" and DEVICE == "cpu" else Tier.DEVICE
     ref = _reference(path)
     ids = _ids(1, 4)
     with torch.no_grad():
@@ -159,15 +162,15 @@ def test_experts_stay_on_the_device_tier_between_tokens(checkpoints, tmp_path):
     cache = model.strata.experts
     one = cache.layers[0].experts[0].nbytes
     used = len(cache._score)  # the experts routed to at least once
-    on_device = [
-        e for layer in cache.layers for e in layer.experts if cache._resident(e, Tier.DEVICE)
-    ]
-    # Nothing left the device tier: every expert moved (used, or guessed) is there, moved once.
-    assert model.strata.stats()["runtime"]["tiers"]["Device"]["evictions"] == 0
-    assert len(on_device) >= used and stats["bytes_moved"] == len(on_device) * one
+    kept = [e for layer in cache.layers for e in layer.experts if cache._resident(e, tier)]
+    # Nothing left the tier: every expert moved (used, or guessed) is there, moved once.
+    tiers = model.strata.stats()["runtime"]["tiers"]
+    assert tiers["Device"]["evictions"] == 0 and tiers["Host"]["evictions"] == 0
+    assert len(kept) >= used and stats["bytes_moved"] == len(kept) * one
     assert stats["misses"] <= used
-    assert stats["hits"] == stats["routed"] - stats["misses"] > stats["misses"]
-    assert stats["host_hits"] == 0
+    found, other = ("hits", "host_hits") if tier is Tier.DEVICE else ("host_hits", "hits")
+    assert stats[found] == stats["routed"] - stats["misses"] > stats["misses"]
+    assert stats[other] == 0
 
 
 def test_a_decode_step_reads_its_routed_experts_not_the_layer(checkpoints, tmp_path):
@@ -254,6 +257,25 @@ def test_a_checkpoint_of_fused_experts_is_sliced_in_place(checkpoints, tmp_path)
         assert torch.equal(ours, ref.generate(ids[:1], max_new_tokens=6, do_sample=False))
 
 
+def test_a_conversion_strata_cannot_slice_is_built_once_per_expert(
+    checkpoints, tmp_path, monkeypatch
+):
+    # Note [Leased experts], third case: transformers' converter run for each expert alone, the
+    # slice homed on the host tier (spilled to NVMe past the host budget).
+    monkeypatch.setattr(_experts, "_per_expert_parts", lambda conversion, n: None)
+    path = checkpoints["mixtral"]
+    model = _load(path, tmp_path)
+    names = [t.name for t in model.strata.experts.layers[2].experts[3].tensors]
+    assert names == [
+        "model.layers.2.mlp.experts.gate_up_proj[3]",
+        "model.layers.2.mlp.experts.down_proj[3]",
+    ]
+    ref = _reference(path)
+    ids = _ids(2, 9)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+
+
 def test_wrong_guesses_cost_bandwidth_never_a_result(checkpoints, tmp_path):
     path = checkpoints["mixtral"]
     model = _load(path, tmp_path)
@@ -274,10 +296,10 @@ def test_wrong_guesses_cost_bandwidth_never_a_result(checkpoints, tmp_path):
     assert stats["guessed"] > stats["guessed_right"]
 
 
-@pytest.mark.skipif(DEVICE != "cpu", reason="the host backend's host-tier compute")
 def test_an_expert_on_the_host_tier_is_computed_there(checkpoints, tmp_path):
-    # Host budget for the whole model, device budget a quarter: experts found on the host tier
-    # are computed from their host copy (the same kernel) instead of copied to the device arena.
+    # The host backend (on every machine): host budget for the whole model, device budget a
+    # quarter: experts found on the host tier are computed from their host copy (the same
+    # kernel) instead of copied to the device arena.
     path = checkpoints["mixtral"]
     total = _model_bytes(path)
     ids = _ids(1, 4)
@@ -291,12 +313,40 @@ def test_an_expert_on_the_host_tier_is_computed_there(checkpoints, tmp_path):
             logits = model(ids).logits
         runs[how] = (logits, model.strata.stats())
     assert torch.equal(runs["auto"][0], runs["device"][0])
-    assert torch.equal(runs["auto"][0], _reference(path)(ids).logits)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager")
+    assert torch.equal(runs["auto"][0], ref.eval()(ids).logits)
     auto, device = runs["auto"][1], runs["device"][1]
     assert auto["experts"]["host_hits"] > 0
     assert auto["experts"]["bytes_moved"] < device["experts"]["bytes_moved"]
     moved = auto["runtime"]["transfers"]["bytes_host_to_device"]
     assert moved < device["runtime"]["transfers"]["bytes_host_to_device"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (CUDA backend)")
+def test_on_cuda_an_expert_on_the_host_tier_may_run_on_the_cpu(checkpoints, tmp_path):
+    # Note [Where an expert runs]: "host" computes a host-resident expert on the CPU from its
+    # pinned copy, "device" copies it to the GPU, "auto" picks from the measured rates. The CPU's
+    # kernels are not the GPU's: the logits agree to rounding, the greedy tokens exactly.
+    path = checkpoints["mixtral"]
+    total = _model_bytes(path)
+    ids = _ids(1, 4).to("cuda")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager")
+    ref = ref.eval().to("cuda")
+    with torch.no_grad():
+        want_logits = ref(ids).logits
+        want = ref.generate(ids, max_new_tokens=6, do_sample=False)
+    stats = {}
+    for how in ("host", "device", "auto"):
+        (tmp_path / how).mkdir()
+        rt = st.make_runtime("cuda", total // 4, 2 * total, tmp_path / how, nvme_capacity="64MiB")
+        model = st.load_model(path, device="cuda", runtime=rt, expert_compute=how)
+        with torch.no_grad():
+            assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), want)
+            got = model(ids).logits
+        torch.testing.assert_close(got, want_logits, rtol=1e-4, atol=1e-4)
+        stats[how] = model.strata.stats()["experts"]
+    assert stats["host"]["host_hits"] > 0
+    assert stats["host"]["bytes_moved"] < stats["device"]["bytes_moved"]
 
 
 def test_int8_experts_are_compressed_and_close(checkpoints, tmp_path):

@@ -452,6 +452,9 @@ class ExpertCache:
         self.device = device
         self.share = {Tier.DEVICE: max(device_share, 0), Tier.HOST: max(host_share, 0)}
         self.compute = compute
+        # Note [Where an expert runs]: on the host backend experts are brought to the host tier
+        # and run there (reads land in the pinned slab without the device arena's staging copy).
+        self._fetch = Tier.HOST if device.type == "cpu" and compute != "device" else Tier.DEVICE
         self._compressed = compressed  # ids of tensors stored compressed (device-only leases)
         self._score: dict[tuple[int, int], float] = {}
         self._last: dict[tuple[int, int], int] = {}
@@ -495,7 +498,7 @@ class ExpertCache:
         """Prefetches the guessed experts of `layer` to the device tier within `room` bytes (the
         device share by default), protected from eviction until that layer runs."""
         layer.guess = set(chosen)
-        budget = self.share[Tier.DEVICE] if room is None else room
+        budget = self.share[self._fetch] if room is None else room
         for e in chosen:
             expert = layer.experts[e]
             if expert.nbytes > budget:
@@ -544,13 +547,24 @@ class ExpertCache:
         self._score[key] = self._score.get(key, 0.0) + 1.0
         self._last[key] = self._clock
 
+    def _fetch_tier(self, expert: Expert) -> Tier:
+        """Where an expert that is on neither tier is brought: the host tier on the host backend
+        (it runs there, Note [Where an expert runs]), else the device tier."""
+        if self._fetch is Tier.HOST and not any(t.id in self._compressed for t in expert.tensors):
+            return Tier.HOST
+        return Tier.DEVICE
+
     def _bring(self, expert: Expert, stats: _LayerStats) -> None:
-        """Starts moving `expert` to the device tier unless it is there."""
-        if not self._resident(expert, Tier.DEVICE):
-            for t in expert.tensors:
-                self.runtime.prefetch(t, Tier.DEVICE)
-            stats.bytes_moved += expert.nbytes
-            self._keep(expert, Tier.DEVICE)
+        """Starts moving `expert` to where it runs unless it is there (or on the device)."""
+        if self._resident(expert, Tier.DEVICE):
+            return
+        tier = self._fetch_tier(expert)
+        if tier is Tier.HOST and self._resident(expert, Tier.HOST):
+            return
+        for t in expert.tensors:
+            self.runtime.prefetch(t, tier)
+        stats.bytes_moved += expert.nbytes
+        self._keep(expert, tier)
 
     def _where(self, expert: Expert, tokens: int) -> Tier:
         """The tier `expert` is leased on for this batch (Note [Where an expert runs])."""
@@ -558,9 +572,11 @@ class ExpertCache:
             return Tier.DEVICE
         if any(t.id in self._compressed for t in expert.tensors):
             return Tier.DEVICE
+        if self.device.type == "cpu":
+            return Tier.HOST
         if not self._resident(expert, Tier.HOST):
             return Tier.DEVICE
-        if self.device.type == "cpu" or self.compute == "host":
+        if self.compute == "host":
             return Tier.HOST
         if self._cpu_rate is None or self._link_rate is None:
             return Tier.HOST if self._cpu_rate is None else Tier.DEVICE
@@ -615,20 +631,23 @@ class ExpertCache:
         self._protected = {(layer.index, e) for e in used}
         tokens = hidden_states.shape[0]
         where: dict[int, Tier] = {}
+        absent: set[int] = set()  # not on the device tier when routed: they move
         for e in used:
             expert = layer.experts[e]
             if self._resident(expert, Tier.DEVICE):
                 stats.hits += 1
             elif self._resident(expert, Tier.HOST):
                 stats.host_hits += 1
+                absent.add(e)
             else:
                 stats.misses += 1
+                absent.add(e)
             where[e] = self._where(expert, tokens)
         # This layer's experts first, then the next layer's guess, behind them.
-        room = self.share[Tier.DEVICE]
+        room = self.share[self._fetch]
         for e in used:
             expert = layer.experts[e]
-            if where[e] is Tier.DEVICE and expert.nbytes <= room:
+            if e in absent and expert.nbytes <= room:
                 room -= expert.nbytes
                 self._bring(expert, stats)
         self._guess(layer, hidden_states, room)
@@ -636,7 +655,7 @@ class ExpertCache:
             expert = layer.experts[e]
             self._used(expert)
             tier = where[e]
-            moved = tier is Tier.DEVICE and not self._resident(expert, Tier.DEVICE)
+            moved = tier is Tier.DEVICE and e in absent
             start = time.perf_counter()
             leases = [self.runtime.acquire(t, tier, Access.READ) for t in expert.tensors]
             try:
