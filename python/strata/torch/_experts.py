@@ -6,7 +6,6 @@ offload() (strata.torch._offload) calls in here; nothing here leases a dense blo
 
 from __future__ import annotations
 
-import math
 import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -168,15 +167,14 @@ class _LayerStats:
 
 @dataclass
 class ExpertLayer:
-    """An experts module under strata: its experts, its router's weight for pre-gating (Note
-    [Pre-gating]), what was guessed for its next forward and its counters."""
+    """An experts module under strata: its experts, its top_k, what was guessed for its next
+    forward (Note [Pre-gating]) and its counters."""
 
     name: str
     module: nn.Module
     index: int
     experts: list[Expert]
     top_k: int
-    router: Tensor | None = None
     guess: set[int] = field(default_factory=set)
     stats: _LayerStats = field(default_factory=_LayerStats)
 
@@ -472,8 +470,6 @@ class ExpertCache:
     def set_routers(self, routers: Mapping[int, tuple[Tensor, tuple[int, ...]]]) -> None:
         """Each layer's router weight (a tensor of its dense block) and shape, for pre-gating."""
         self._routers = dict(routers)
-        for index, (tensor, _) in routers.items():
-            self.layers[index].router = tensor
 
     def install(self) -> None:
         for layer in self.layers:
@@ -746,8 +742,3 @@ def _make_forward(cache: ExpertCache, layer: ExpertLayer) -> Callable[..., torch
         return cache.run(layer, self, hidden_states, top_k_index, top_k_weights)
 
     return forward
-
-
-def placeholder_for(p: nn.Parameter, device: torch.device) -> nn.Parameter:
-    fill = math.nan if p.dtype.is_floating_point else 0
-    return nn.Parameter(torch.full((), fill, dtype=p.dtype, device=device).expand(p.shape), False)
