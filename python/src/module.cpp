@@ -363,6 +363,18 @@ NB_MODULE(_core, m) {
           "name"_a, "shape"_a, "dtype"_a, "home"_a, "init"_a.none(), "compress"_a = "none",
           "group"_a = 64)
       .def(
+          "create_unwritten",
+          [](strata::Runtime& rt, const std::string& name, std::vector<std::int64_t> shape,
+             const std::string& dtype, Tier home) {
+            strata::TensorDesc d;
+            d.name = name;
+            d.shape = std::move(shape);
+            d.dtype = strata::parse_dtype(dtype);
+            nb::gil_scoped_release unlocked;
+            return rt.create_unwritten(d, home);
+          },
+          "name"_a, "shape"_a, "dtype"_a, "home"_a)
+      .def(
           "map_tensor",
           [](strata::Runtime& rt, const std::string& name, std::vector<std::int64_t> shape,
              const std::string& dtype, const std::string& path, std::uint64_t offset,

@@ -269,6 +269,17 @@ class Runtime:
         )
         return self._describe(tensor_id)
 
+    def create_unwritten(
+        self, name: str, shape: Sequence[int], dtype: Any = "float32", home: Tier = Tier.HOST
+    ) -> Tensor:
+        """A new tensor homed on `home` with no bytes yet: it takes no room and writes nothing
+        until its first lease, which must be Access.WRITE (or a write()). For bytes made where
+        they are used (a KV cache's next page, filled on the device, homed on NVMe)."""
+        tensor_id = self._core.create_unwritten(
+            name, [int(s) for s in shape], _dtype_name(dtype), home
+        )
+        return self._describe(tensor_id)
+
     def map_tensor(
         self,
         name: str,

@@ -397,6 +397,23 @@ void Runtime::write(TensorId id, const void* src, std::size_t bytes) {
   rt.on_gone();
 }
 
+TensorId Runtime::create_unwritten(const TensorDesc& desc, Tier home) {
+  Impl& rt = *impl_;
+  auto state = std::make_unique<TensorState>();
+  state->desc = checked(desc);
+  state->home = home;
+  set_storage(*state);
+  STRATA_EXPECTS(!state->compressed(), "create_unwritten \"", desc.name,
+                 "\": a compressed tensor is read-only; create it from its bytes");
+  std::lock_guard lock(rt.mutex);
+  rt.require_tier(home, "create_unwritten");
+  state->id = rt.next_id++;
+  state->discarded = true;  // every copy absent: the first lease writes (requests.cpp)
+  const TensorId id = state->id;
+  rt.tensors.emplace(id, std::move(state));
+  return id;
+}
+
 void Runtime::discard(TensorId id) {
   Impl& rt = *impl_;
   std::unique_lock lock(rt.mutex);

@@ -333,6 +333,45 @@ TEST_F(RuntimeTest, DiscardDropsEveryCopyWithoutWritingAndReadsAreRefused) {
   EXPECT_EQ(rt->tier_stats(Tier::Device).write_backs, 0u);
 }
 
+// A tensor made where it is used (a KV cache's next page): no room and no NVMe write until its
+// first (write) lease; its bytes then go down the tiers as any dirty copy's do, and come back.
+TEST_F(RuntimeTest, AnUnwrittenTensorTakesNoRoomUntilItsFirstWriteLease) {
+  auto rt = make();
+  const auto v = pattern(200 * KiB, 7);
+  const std::uint64_t nvme_written =
+      rt->transfer_stats().bytes_device_to_nvme + rt->transfer_stats().bytes_host_to_nvme;
+  const TensorId t = rt->create_unwritten(desc("kv.0.page.3", v.size()), Tier::Nvme);
+  EXPECT_TRUE(rt->discarded(t));
+  for (Tier tier : {Tier::Device, Tier::Host, Tier::Nvme}) {
+    EXPECT_FALSE(rt->resident(t, tier));
+    EXPECT_EQ(rt->tier_stats(tier).used_bytes, 0u) << to_string(tier);
+  }
+  try {
+    (void)rt->acquire(t, Tier::Device, Access::ReadWrite);
+    FAIL() << "reading an unwritten tensor succeeded";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("kv.0.page.3"), std::string::npos) << e.what();
+  }
+  {
+    Lease lease = rt->acquire(t, Tier::Device, Access::Write).get();
+    std::memcpy(lease.data(), v.data(), v.size());
+  }
+  EXPECT_FALSE(rt->discarded(t));
+  EXPECT_EQ(rt->transfer_stats().bytes_device_to_nvme + rt->transfer_stats().bytes_host_to_nvme,
+            nvme_written);  // nothing written yet: the copy is dirty on the device
+  EXPECT_TRUE(rt->evict(t, Tier::Device));
+  EXPECT_TRUE(rt->evict(t, Tier::Host));
+  EXPECT_TRUE(rt->resident(t, Tier::Nvme));
+  EXPECT_FALSE(rt->resident(t, Tier::Host));
+  EXPECT_EQ(contents(*rt, t), v);
+  TensorDesc packed = desc("kv.int8", 1 * KiB);
+  packed.dtype = DType::BF16;
+  packed.shape = {512};
+  packed.compression = {Codec::Int8, 64};
+  EXPECT_THROW((void)rt->create_unwritten(packed, Tier::Nvme), Error);  // read-only: no writer
+  rt->destroy_tensor(t);
+}
+
 TEST_F(RuntimeTest, CleanVictimsAreDroppedNeverWrittenBack) {
   auto rt = make();
   std::vector<TensorId> weights;

@@ -158,6 +158,11 @@ class Runtime {
 
   /// A new tensor homed on `home`, holding `init` (desc.bytes bytes) or zeros.
   TensorId create_tensor(const TensorDesc& desc, Tier home, const void* init = nullptr);
+  /// A new tensor homed on `home` with no bytes yet, as discard() leaves one: it takes no room
+  /// and writes nothing until its first lease, which must be Access::Write (or a write()). For
+  /// bytes made where they are used, e.g. a KV cache's next page, homed on NVMe and filled on
+  /// the device: create_tensor() would first write zeros to NVMe that nobody reads.
+  TensorId create_unwritten(const TensorDesc& desc, Tier home);
   /// A read-only tensor homed in an existing file (bytes at `offset`, any alignment): no copy is
   /// made and nothing is ever written back to the file. Needs nvme.paths.
   TensorId map_tensor(const TensorDesc& desc, const std::string& path, std::uint64_t offset);
