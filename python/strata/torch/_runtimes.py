@@ -27,6 +27,15 @@ def in_pages(nbytes: int) -> int:
     return -(-nbytes // PAGE_BYTES) * PAGE_BYTES
 
 
+_SCRATCH: weakref.WeakSet[Runtime] = weakref.WeakSet()  # runtimes whose NVMe tier is scratch
+
+
+def has_nvme_tier(runtime: Runtime) -> bool:
+    """True when `runtime`'s NVMe tier is real swap space (an nvme_dir was given), not the few
+    MiB of scratch runtime_with_nvme() makes without one."""
+    return runtime not in _SCRATCH and runtime.stats()["tiers"]["Nvme"]["capacity_bytes"] > 0
+
+
 def runtime_with_nvme(
     config: dict[str, Any],
     nvme_dir: str | os.PathLike[str] | None,
@@ -51,6 +60,7 @@ def runtime_with_nvme(
         raise
     if scratch:
         weakref.finalize(runtime, shutil.rmtree, scratch, True)
+        _SCRATCH.add(runtime)
     return runtime
 
 

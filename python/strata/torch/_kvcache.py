@@ -1,0 +1,580 @@
+"""KVCache: a transformers Cache whose keys and values live in pages of `page_tokens` tokens, each
+a strata tensor on the device, host and NVMe tiers, under the same budgets as the weights
+(Note [KV pages])."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections import deque
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .._core import Access, Tier
+from .._errors import Error, InvalidArgumentError, OutOfMemoryError, UnsupportedError
+from .._runtime import Runtime, Tensor
+from ._runtimes import Budget, has_nvme_tier, in_pages, make_runtime
+
+# Note [KV pages]
+# ~~~~~~~~~~~~~~~
+# A layer's cache is a list of pages, each a runtime tensor of shape [2, batch, kv_heads,
+# page_tokens, head_dim]: its keys, then its values, one contiguous block per move (0.5-2 MiB at
+# the usual sizes, the size the tiers move at their rate). Page i holds tokens [i*P, (i+1)*P).
+# The last page, while it has room, is open: made unwritten (Runtime.create_unwritten: no room
+# taken and no zeros written to NVMe until its first lease), then leased for writing on the
+# device tier as tokens append, so its copy there is dirty and goes down the tiers only when it
+# is evicted. A page that fills is closed; with compress="int8" it is remade from its bytes as
+# a compressed tensor (quantized once, read-only, its host and NVMe copies int8, dequantized on
+# arrival). Pages are homed on NVMe when the runtime has an NVMe tier of its own (nvme_dir),
+# else on the host tier; the runtime moves them down when a tier is full (LRU) and back up when
+# leased.
+#
+# update() for a layer leases its closed pages one after another, the next `_DEPTH` already on
+# their way (acquire_async), copies each into the keys and values that attention reads, then
+# appends the new tokens to the open page (and to new pages when they overflow it), and ends by
+# prefetching the first pages of the next layer (of layer 0 after the last: the next token's).
+# The keys and values handed to attention are transient tensors of one layer, as DynamicCache's
+# concatenation makes them; nothing of the cache stays outside the runtime between updates.
+#
+# On the host backend (the device tier a CPU arena), a closed page that is on the host tier and
+# not on the device is read from its host copy, and one only on NVMe is brought to the host tier
+# (into the pinned slab at the disk's rate): the copy into the device arena would be one more
+# memcpy of the same CPU memory. Compressed pages are read on the device tier, where they are
+# dequantized. On CUDA every page is read on the device tier.
+#
+# A step that fails (an EIO reading a page, a tier or the disk full when a page must go down)
+# is rolled back before the error leaves update(): the layers that already took the step's
+# tokens give them back (crop), so the cache holds exactly what it held before the step, and the
+# same step may be tried again (Note [A failed step]).
+
+_DEPTH = 2  # closed pages on their way while one is copied
+_WORKING = _DEPTH + 1  # pages a layer leases at once on its read tier
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def _stored_bytes(page: Tensor, packed: bool, group: int) -> int:
+    """The bytes a page's host or NVMe copy holds: int8 codes and an fp16 min and step per
+    group when packed (Note [Compressed copies]), else its full width."""
+    if not packed:
+        return page.nbytes
+    n = 1
+    for s in page.shape:
+        n *= s
+    return n + 4 * -(-n // group)
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.2f} MiB"
+
+
+class _PagedLayer(CacheLayerMixin):
+    """One decoder layer's keys and values in pages (Note [KV pages])."""
+
+    is_sliding = False
+    is_croppable = True
+    is_compileable = False
+
+    def __init__(self, cache: KVCache, index: int) -> None:
+        super().__init__()
+        self._cache = cache
+        self.index = index
+        self.pages: list[Tensor] = []
+        self.packed: list[bool] = []  # page i is stored compressed (closed, read-only)
+        self.tokens = 0
+        self.device: torch.device | None = None
+        self.dtype: torch.dtype | None = None
+        self.batch_size = 0
+        self.heads = 0
+        self.head_dim = 0
+
+    # -- what transformers asks --
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        c = self._cache
+        if key_states.shape != value_states.shape:
+            raise UnsupportedError(
+                f"KVCache layer {self.index}: keys {tuple(key_states.shape)} and values "
+                f"{tuple(value_states.shape)} differ in shape; pages hold both of one shape"
+            )
+        if key_states.dtype not in _DTYPE_NAMES:
+            raise UnsupportedError(
+                f"KVCache layer {self.index}: keys of {key_states.dtype}; pages hold float32, "
+                "float16 or bfloat16"
+            )
+        self.batch_size, self.heads, _, self.head_dim = key_states.shape
+        self.device = key_states.device
+        self.dtype = key_states.dtype
+        c._check_room(self.batch_size, self.heads, self.head_dim, self.dtype)
+        self.is_initialized = True
+
+    def get_seq_length(self) -> int:
+        return self.tokens
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.tokens + query_length, 0
+
+    def offload(self) -> None:  # the runtime places the pages
+        pass
+
+    def prefetch(self) -> None:
+        self._cache._prefetch_layer(self)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        b, h, n, d = key_states.shape
+        if (b, h, d) != (self.batch_size, self.heads, self.head_dim):
+            raise InvalidArgumentError(
+                f"KVCache layer {self.index}: keys of batch {b}, {h} heads of {d} after "
+                f"{self.batch_size}, {self.heads}, {self.head_dim}: one cache serves one batch "
+                "(reset() it for another)"
+            )
+        before = self.tokens
+        shape = (b, h, before + n, d)
+        keys = torch.empty(shape, dtype=self.dtype, device=self.device)
+        values = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self._gather(keys, values)
+        keys[:, :, before:].copy_(key_states)
+        values[:, :, before:].copy_(value_states)
+        self._append(key_states, value_states)
+        return keys, values
+
+    # -- pages --
+
+    @property
+    def page_tokens(self) -> int:
+        return self._cache.page_tokens
+
+    def _page_shape(self) -> tuple[int, ...]:
+        return (2, self.batch_size, self.heads, self.page_tokens, self.head_dim)
+
+    def _page_name(self, i: int) -> str:
+        return f"{self._cache._prefix}.layers.{self.index}.page.{i}"
+
+    def _named(self, e: Exception, i: int, what: str) -> Exception:
+        """`e` again, of its type, naming this layer and page."""
+        msg = (
+            f"KVCache layer {self.index}, page {i} (tokens {i * self.page_tokens}.."
+            f"{(i + 1) * self.page_tokens - 1}), {what}: {e}"
+        )
+        try:
+            out = type(e)(msg)
+        except TypeError:
+            out = Error(msg)
+        return out
+
+    def _view(self, lease: Any) -> torch.Tensor:
+        return torch.from_dlpack(lease).view(self.dtype).view(self._page_shape())
+
+    def _gather(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Copies every page's tokens into `keys` and `values` (Note [KV pages])."""
+        c = self._cache
+        runtime = c.runtime
+        p = self.page_tokens
+        count = len(self.pages)
+        futures: deque = deque()
+
+        def start(i: int) -> None:
+            futures.append(runtime.acquire_async(self.pages[i], c._read_tier(self, i)))
+
+        for i in range(min(_DEPTH, count)):
+            start(i)
+        i = 0
+        try:
+            for i in range(count):
+                future = futures.popleft()
+                if i + _DEPTH < count:
+                    start(i + _DEPTH)
+                with future.result() as lease:
+                    page = self._view(lease)
+                    n = min(p, self.tokens - i * p)
+                    dst = slice(i * p, i * p + n)
+                    keys[:, :, dst].copy_(page[0, :, :, :n])
+                    values[:, :, dst].copy_(page[1, :, :, :n])
+                    del page  # a view holds the lease
+        except Exception as e:
+            for f in futures:  # give back what is on its way
+                with contextlib.suppress(Exception):
+                    f.result().release()
+            raise self._named(e, i, "reading it back") from e
+
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Writes the new tokens into the open page and new ones; self.tokens counts them as
+        they land, so a failure part way leaves a count crop() can take back."""
+        c = self._cache
+        p = self.page_tokens
+        n = key_states.shape[-2]
+        done = 0
+        while done < n:
+            i, at = divmod(self.tokens, p)
+            if i == len(self.pages):
+                try:
+                    page = c.runtime.create_unwritten(
+                        self._page_name(i), self._page_shape(), _DTYPE_NAMES[self.dtype], c.home
+                    )
+                except Exception as e:
+                    raise self._named(e, i, "making it") from e
+                self.pages.append(page)
+                self.packed.append(False)
+                access = Access.WRITE  # nothing there yet: write-discard moves nothing
+            else:
+                access = Access.READ_WRITE
+            take = min(p - at, n - done)
+            try:
+                with c.runtime.acquire(self.pages[i], Tier.DEVICE, access) as lease:
+                    page = self._view(lease)
+                    page[0, :, :, at : at + take].copy_(key_states[:, :, done : done + take])
+                    page[1, :, :, at : at + take].copy_(value_states[:, :, done : done + take])
+                    if access == Access.WRITE and at + take < p:
+                        page[:, :, :, at + take :].zero_()  # defined bytes below and on disk
+                    del page
+            except Exception as e:
+                if access == Access.WRITE:  # never written: it holds nothing
+                    c.runtime.destroy(self.pages.pop())
+                    self.packed.pop()
+                raise self._named(e, i, "writing tokens into it") from e
+            self.tokens += take
+            done += take
+            if self.tokens % p == 0 and c.compress is not None:
+                self._pack(i)
+
+    def _pack(self, i: int) -> None:
+        """Remakes the full page i as a compressed tensor (quantized once, read-only)."""
+        c = self._cache
+        old = self.pages[i]
+        try:
+            with c.runtime.acquire(old, Tier.DEVICE, Access.READ) as lease:
+                src = self._view(lease).cpu()  # on CUDA a host copy; else the lease's bytes
+                new = c.runtime.create_tensor(
+                    self._page_name(i) + ".int8",
+                    self._page_shape(),
+                    _DTYPE_NAMES[self.dtype],
+                    c.home,
+                    src,
+                    compress=c.compress,
+                    group=c._group(self.head_dim),
+                )
+                del src  # on the host backend, a view of the lease
+        except Exception as e:
+            raise self._named(e, i, "compressing it") from e
+        self.pages[i] = new
+        self.packed[i] = True
+        c.runtime.destroy(old)
+
+    def _unpack(self, i: int) -> None:
+        """Makes the compressed page i writable again (a crop left it partly full)."""
+        c = self._cache
+        old = self.pages[i]
+        new = c.runtime.create_unwritten(
+            self._page_name(i), self._page_shape(), _DTYPE_NAMES[self.dtype], c.home
+        )
+        with (
+            c.runtime.acquire(old, Tier.DEVICE, Access.READ) as src,
+            c.runtime.acquire(new, Tier.DEVICE, Access.WRITE) as dst,
+        ):
+            self._view(dst).copy_(self._view(src))
+        self.pages[i] = new
+        self.packed[i] = False
+        c.runtime.destroy(old)
+
+    def _remake(self, edit: Any, batch_size: int) -> None:
+        """Every page again through `edit` (a batch index_select or repeat), for beam search."""
+        c = self._cache
+        if c.compress is not None and any(self.packed):
+            raise UnsupportedError(
+                f"KVCache layer {self.index}: reordering the batch of int8 pages would quantize "
+                "them twice; use compress=None with beam search or batch selection"
+            )
+        old_batch = self.batch_size
+        pages = []
+        try:
+            for i, old in enumerate(self.pages):
+                self.batch_size = old_batch
+                with c.runtime.acquire(old, Tier.DEVICE, Access.READ) as lease:
+                    edited = edit(self._view(lease)).clone()  # a copy, never a view of it
+                self.batch_size = batch_size
+                new = c.runtime.create_unwritten(
+                    self._page_name(i) + ".b", self._page_shape(), _DTYPE_NAMES[self.dtype], c.home
+                )
+                pages.append(new)
+                with c.runtime.acquire(new, Tier.DEVICE, Access.WRITE) as lease:
+                    self._view(lease).copy_(edited)
+        except Exception:
+            self.batch_size = old_batch
+            for t in pages:
+                c.runtime.destroy(t)
+            raise
+        for old in self.pages:
+            c.runtime.destroy(old)
+        self.pages = pages
+        self.batch_size = batch_size
+
+    # -- what the Cache API also asks --
+
+    def reset(self) -> None:
+        for t in self.pages:
+            self._cache.runtime.destroy(t)
+        self.pages, self.packed, self.tokens = [], [], 0
+        self.is_initialized = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drops the last -tokens_to_remove tokens (transformers' convention: a negative count),
+        or keeps the first `tokens_to_remove` when positive (the legacy absolute length)."""
+        keep = self.tokens + tokens_to_remove if tokens_to_remove < 0 else tokens_to_remove
+        self._truncate(max(0, min(self.tokens, keep)))
+
+    def _truncate(self, keep: int) -> None:
+        p = self.page_tokens
+        pages = -(-keep // p)
+        while len(self.pages) > pages:
+            self._cache.runtime.destroy(self.pages.pop())
+            self.packed.pop()
+        self.tokens = keep
+        if keep % p and self.packed and self.packed[-1]:
+            self._unpack(len(self.pages) - 1)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.tokens:
+            idx = beam_idx.to("cpu" if self.device is None else self.device)
+            self._remake(lambda page: page.index_select(1, idx.to(page.device)), len(beam_idx))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.tokens:
+            self._remake(
+                lambda page: page[:, indices.to(page.device)],
+                int(torch.empty(self.batch_size)[indices].shape[0]),
+            )
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.tokens:
+            self._remake(
+                lambda page: page.repeat_interleave(repeats, dim=1), self.batch_size * repeats
+            )
+        else:
+            self.batch_size *= repeats
+
+
+class KVCache(Cache):
+    """A transformers Cache whose keys and values are pages of `page_tokens` tokens on strata's
+    tiers (Note [KV pages])::
+
+        cache = st.KVCache(model, host_budget="4GiB", nvme_dir="/mnt/nvme")
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=512)
+        cache.stats()
+
+    `model` is any transformers causal LM: one in memory (a runtime of `device_budget`,
+    `host_budget` and `nvme_dir` is made for the cache), or one `st.load_model` runs, whose
+    runtime the cache then shares (`runtime=None`): one set of budgets covers weights and KV.
+    `compress="int8"`: closed pages are stored int8 in groups along head_dim on the host and
+    NVMe tiers (strata.quant), dequantized on arrival: the tokens may then differ from full
+    width. Beam search and batch selection reorder full-width pages; int8 pages refuse them.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        device_budget: Budget | None = None,
+        host_budget: Budget | None = None,
+        nvme_dir: str | os.PathLike[str] | None = None,
+        page_tokens: int = 256,
+        compress: str | None = None,
+        runtime: Runtime | None = None,
+        nvme_capacity: Budget = "16GiB",
+    ) -> None:
+        config = model.config.get_text_config(decoder=True)
+        types = getattr(config, "layer_types", None)
+        if types is not None and any(t != "full_attention" for t in types):
+            odd = sorted({t for t in types if t != "full_attention"})
+            raise UnsupportedError(
+                f"KVCache: {type(model).__name__} has {', '.join(odd)} layers; pages hold "
+                "full-attention layers only"
+            )
+        if not isinstance(page_tokens, int) or page_tokens < 1:
+            raise InvalidArgumentError(f"KVCache: page_tokens {page_tokens!r} is not >= 1")
+        if compress not in (None, "int8"):
+            raise InvalidArgumentError(f"KVCache: compress {compress!r} is not None or 'int8'")
+        self.page_tokens = page_tokens
+        self.compress = compress
+        offloaded = getattr(model, "strata", None)
+        self._model_block_bytes = 0
+        if runtime is None and offloaded is not None:
+            if device_budget is not None or host_budget is not None or nvme_dir is not None:
+                raise InvalidArgumentError(
+                    "KVCache: the model runs on strata (st.load_model / st.offload): the cache "
+                    "shares its runtime and budgets; pass no device_budget, host_budget or "
+                    "nvme_dir (or pass runtime= to use another)"
+                )
+            runtime = offloaded.runtime
+            self._model_block_bytes = max((b.nbytes for b in offloaded.blocks), default=0)
+        self._owned = runtime is None
+        if runtime is None:
+            device = next((p.device for p in model.parameters()), torch.device("cpu"))
+            runtime = make_runtime(
+                device,
+                device_budget if device_budget is not None else "256MiB",
+                host_budget if host_budget is not None else "4GiB",
+                nvme_dir,
+                nvme_capacity,
+            )
+        self.runtime = runtime
+        self.home = Tier.NVME if has_nvme_tier(runtime) else Tier.HOST
+        tiers = runtime.stats()["tiers"]
+        self._capacity = {t: tiers[t]["capacity_bytes"] for t in ("Device", "Host", "Nvme")}
+        self._host_backend = runtime.stats()["backend"] == "host"
+        self._prefix = f"kv{id(self):x}"
+        self._nvme_read = 0
+        base = runtime.stats()["transfers"]
+        self._written0 = base["bytes_device_to_nvme"] + base["bytes_host_to_nvme"]
+        self._read0 = base["bytes_nvme_to_device"] + base["bytes_nvme_to_host"]
+        self._step_tokens = 0
+        layers = [_PagedLayer(self, i) for i in range(config.num_hidden_layers)]
+        super().__init__(layers=layers)
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        dtype = getattr(config, "dtype", None) or torch.float32
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        self._check_room(1, heads, head_dim, dtype if dtype in _DTYPE_NAMES else torch.float32)
+
+    # -- budgets --
+
+    def page_bytes(self, batch_size: int, heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """The bytes one page takes of a budget (whole 4 KiB pages)."""
+        return in_pages(2 * batch_size * heads * self.page_tokens * head_dim * _element_size(dtype))
+
+    def _check_room(self, batch_size: int, heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        page = self.page_bytes(batch_size, heads, head_dim, dtype)
+        need = _WORKING * page
+        shape = f"[2, {batch_size}, {heads}, {self.page_tokens}, {head_dim}]"
+        for tier, extra, why in (
+            ("Device", self._model_block_bytes, " plus the model's largest block"),
+            ("Host", 0, ""),
+        ):
+            have = self._capacity[tier]
+            if need + extra > have:
+                raise OutOfMemoryError(
+                    f"KVCache: one layer's working pages ({_WORKING} pages of {shape} "
+                    f"{str(dtype).removeprefix('torch.')}, {_mib(need)})"
+                    f"{f'{why} ({_mib(extra)})' if extra else ''} do not fit the {tier} tier's "
+                    f"budget of {_mib(have)}: raise it, or lower page_tokens"
+                )
+
+    def _group(self, head_dim: int) -> int:
+        return 64 if head_dim % 64 == 0 else head_dim
+
+    # -- moving pages --
+
+    def _read_tier(self, layer: _PagedLayer, i: int) -> Tier:
+        """Where page i of `layer` is read (Note [KV pages]); counts the bytes that come from NVMe."""
+        page = layer.pages[i]
+        runtime = self.runtime
+        on_device = runtime.resident(page, Tier.DEVICE)
+        on_host = on_device or runtime.resident(page, Tier.HOST)
+        if not on_host:
+            self._nvme_read += _stored_bytes(page, layer.packed[i], self._group(layer.head_dim))
+        if layer.packed[i] or not self._host_backend or on_device:
+            return Tier.DEVICE
+        return Tier.HOST
+
+    def _prefetch_layer(self, layer: _PagedLayer) -> None:
+        full = min(len(layer.pages), _DEPTH)
+        for i in range(full):
+            with contextlib.suppress(OutOfMemoryError):  # a hint: no room now is no error
+                self.runtime.prefetch(layer.pages[i], self._read_tier(layer, i))
+
+    # -- the Cache API --
+
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = self.layers[layer_idx]
+        if layer_idx == 0:
+            self._step_tokens = key_states.shape[-2]
+        before = layer.tokens
+        try:
+            out = layer.update(key_states, value_states, *args, **kwargs)
+        except Exception:
+            self._roll_back(layer_idx, before)
+            raise
+        if len(self.layers) > 1:
+            self._prefetch_layer(self.layers[(layer_idx + 1) % len(self.layers)])
+        return out
+
+    # Note [A failed step]
+    # ~~~~~~~~~~~~~~~~~~~~
+    # A forward updates the layers in order, each with the step's tokens. When layer L fails,
+    # layers 0..L-1 hold the step's tokens and L part of them: each gives them back (crop), so
+    # every layer holds what it held before the step and the same step can run again (a retry
+    # after a transient EIO, or after freeing room), and generate's tokens so far stay valid.
+    def _roll_back(self, failed: int, before: int) -> None:
+        self.layers[failed]._truncate(before)
+        for layer in self.layers[:failed]:
+            layer._truncate(max(0, layer.tokens - self._step_tokens))
+
+    def stats(self) -> dict[str, Any]:
+        """pages, tokens, page_bytes, bytes per tier (of the pages' copies there), stored_bytes
+        (what the pages' host or NVMe copies hold: int8 codes for compressed ones),
+        nvme_bytes_read (pages brought from NVMe) and nvme_bytes_written (the runtime's writes
+        to NVMe since the cache began: on a shared runtime, inference writes nothing else)."""
+        tiers = {"device": 0, "host": 0, "nvme": 0}
+        pages = 0
+        compressed = 0
+        stored_bytes = 0
+        for layer in self.layers:
+            for i, t in enumerate(layer.pages):
+                pages += 1
+                compressed += layer.packed[i]
+                stored = _stored_bytes(t, layer.packed[i], self._group(layer.head_dim))
+                stored_bytes += stored
+                if self.runtime.resident(t, Tier.DEVICE):
+                    tiers["device"] += t.nbytes
+                if self.runtime.resident(t, Tier.HOST):
+                    tiers["host"] += stored
+                if self.runtime.resident(t, Tier.NVME):
+                    tiers["nvme"] += stored
+        now = self.runtime.stats()["transfers"]
+        written = now["bytes_device_to_nvme"] + now["bytes_host_to_nvme"] - self._written0
+        first = next((layer for layer in self.layers if layer.is_initialized), None)
+        return {
+            "pages": pages,
+            "compressed_pages": compressed,
+            "tokens": self.get_seq_length(),
+            "page_tokens": self.page_tokens,
+            "page_bytes": 0
+            if first is None
+            else self.page_bytes(first.batch_size, first.heads, first.head_dim, first.dtype),
+            "bytes": tiers,
+            "stored_bytes": stored_bytes,
+            "home": self.home.name.lower(),
+            "nvme_bytes_read": self._nvme_read,
+            "nvme_bytes_written": written,
+        }
+
+    def close(self) -> None:
+        """Destroys every page (the cache is empty after)."""
+        for layer in self.layers:
+            layer.reset()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
