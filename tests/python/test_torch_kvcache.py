@@ -111,6 +111,22 @@ def test_tokens_and_logits_equal_dynamic_cache_with_nvme_holding_part(tmp_path, 
     assert s["bytes"]["device"] <= caps["Device"]["capacity_bytes"]
 
 
+def test_a_step_reads_from_nvme_only_the_pages_the_upper_tiers_do_not_hold(tmp_path):
+    # Note [Streamed pages]: under LRU a cyclic scan larger than the host tier would miss on
+    # every page; the pages the device and host tiers hold stay there and hit every step.
+    model = _model("llama")
+    cache = st.KVCache(model, runtime=_runtime(tmp_path), page_tokens=16)
+    with torch.no_grad():
+        logits = model(_ids(1, 600), cache=cache, use_cache=True).logits
+        for step in range(5):  # 600..605 tokens: no new page
+            s = cache.stats()
+            logits = model(logits[:, -1:].argmax(-1), cache=cache, use_cache=True).logits
+            read = cache.stats()["nvme_bytes_read"] - s["nvme_bytes_read"]
+            assert s["bytes"]["host"] > 0 and s["bytes"]["nvme"] > 0
+            if step > 0:  # the first settles which pages stay up
+                assert read == s["bytes"]["nvme"], step
+
+
 def test_budgets_given_to_the_cache_make_its_runtime(tmp_path):
     model = _model("llama")
     ids = _ids(1, 100)

@@ -188,14 +188,15 @@ class _PagedLayer(CacheLayerMixin):
         futures: deque = deque()
 
         def start(i: int) -> None:
-            futures.append(runtime.acquire_async(self.pages[i], c._read_tier(self, i)))
+            tier, brought = c._read_tier(self, i)
+            futures.append((tier, brought, runtime.acquire_async(self.pages[i], tier)))
 
-        for i in range(min(_DEPTH, count)):
-            start(i)
         i = 0
         try:
+            for j in range(min(_DEPTH, count)):
+                start(j)
             for i in range(count):
-                future = futures.popleft()
+                tier, brought, future = futures.popleft()
                 if i + _DEPTH < count:
                     start(i + _DEPTH)
                 with future.result() as lease:
@@ -205,8 +206,10 @@ class _PagedLayer(CacheLayerMixin):
                     keys[:, :, dst].copy_(page[0, :, :, :n])
                     values[:, :, dst].copy_(page[1, :, :, :n])
                     del page  # a view holds the lease
+                if brought and i < count - 1:  # Note [Streamed pages]; the open one stays
+                    runtime.evict(self.pages[i], tier)
         except Exception as e:
-            for f in futures:  # give back what is on its way
+            for _, _, f in futures:  # give back what is on its way
                 with contextlib.suppress(Exception):
                     f.result().release()
             raise self._named(e, i, "reading it back") from e
@@ -428,6 +431,7 @@ class KVCache(Cache):
                 host_budget if host_budget is not None else "4GiB",
                 nvme_dir,
                 nvme_capacity,
+                stripe="256KiB",  # an NVMe extent starts on a stripe: a page wastes less
             )
         self.runtime = runtime
         self.home = Tier.NVME if has_nvme_tier(runtime) else Tier.HOST
@@ -436,6 +440,7 @@ class KVCache(Cache):
         self._host_backend = runtime.stats()["backend"] == "host"
         self._prefix = f"kv{id(self):x}"
         self._nvme_read = 0
+        self._prefetched: dict[int, bool] = {}  # pages a prefetch brought (Note [Streamed pages])
         base = runtime.stats()["transfers"]
         self._written0 = base["bytes_device_to_nvme"] + base["bytes_host_to_nvme"]
         self._read0 = base["bytes_nvme_to_device"] + base["bytes_nvme_to_host"]
@@ -479,8 +484,17 @@ class KVCache(Cache):
 
     # -- moving pages --
 
-    def _read_tier(self, layer: _PagedLayer, i: int) -> Tier:
-        """Where page i of `layer` is read (Note [KV pages]); counts the bytes that come from NVMe."""
+    # Note [Streamed pages]
+    # ~~~~~~~~~~~~~~~~~~~~~
+    # Every step reads every page of every layer in the same order: a cyclic scan. When the pages
+    # are more than a tier holds, LRU evicts from it, each time, the page that is needed soonest,
+    # and every read misses. So a page brought to its read tier for one use (it was not there, or
+    # a prefetch brought it) leaves that tier after the use (dropped: it is clean, its copy below
+    # is current): the pages a tier holds stay there and hit every step, and the rest stream
+    # through the room the last streamed one left.
+    def _read_tier(self, layer: _PagedLayer, i: int) -> tuple[Tier, bool]:
+        """Where page i of `layer` is read (Note [KV pages]) and whether this read brings it there
+        (Note [Streamed pages]); counts the bytes that come from NVMe."""
         page = layer.pages[i]
         runtime = self.runtime
         on_device = runtime.resident(page, Tier.DEVICE)
@@ -488,14 +502,20 @@ class KVCache(Cache):
         if not on_host:
             self._nvme_read += _stored_bytes(page, layer.packed[i], self._group(layer.head_dim))
         if layer.packed[i] or not self._host_backend or on_device:
-            return Tier.DEVICE
-        return Tier.HOST
+            tier, there = Tier.DEVICE, on_device
+        else:
+            tier, there = Tier.HOST, on_host
+        brought = not there or self._prefetched.pop(page.id, None) is not None
+        return tier, brought
 
     def _prefetch_layer(self, layer: _PagedLayer) -> None:
-        full = min(len(layer.pages), _DEPTH)
-        for i in range(full):
+        for i in range(min(len(layer.pages) - 1, _DEPTH)):  # closed pages
+            tier, brought = self._read_tier(layer, i)
+            if not brought:
+                continue
             with contextlib.suppress(OutOfMemoryError):  # a hint: no room now is no error
-                self.runtime.prefetch(layer.pages[i], self._read_tier(layer, i))
+                self.runtime.prefetch(layer.pages[i], tier)
+                self._prefetched[layer.pages[i].id] = True
 
     # -- the Cache API --
 
