@@ -202,5 +202,17 @@ else
   note "hf (cuda): FAILED ($(tail -3 "$logs/hf-cuda.err" | tr '\n' ' ' | cut -c1-500))"
   rc=1
 fi
+
+# The KV cache on the GPU (issue: long generation whose KV cache is larger than memory): strata's
+# KVCache against DynamicCache in memory and DynamicCache(offloading=True), which uses a side
+# stream on CUDA; two contexts, one round (the tests above ran test_torch_kvcache.py on CUDA).
+if PYTHONPATH=build-gpu/python timeout 240 $py bench/kv-cache.py --device cuda \
+  --contexts 8192 32768 --rounds 1 --tokens 8 --prompts 2 --memory-limit off \
+  --device-budget 64MiB --host-budget 256MiB >"$logs/kv-cuda.json" 2>"$logs/kv-cuda.err"; then
+  note "kv (cuda): $(jq_py '{c: {k: r.get(k) for k in ("strata_over_offloaded_tokens_per_s", "strata_over_dynamic_s_per_token", "int8_over_bf16_nvme_bytes_per_token")} for c, r in d["contexts"].items()}' "$logs/kv-cuda.json")"
+else
+  note "kv (cuda): FAILED ($(tail -3 "$logs/kv-cuda.err" | tr '\n' ' ' | cut -c1-500))"
+  rc=1
+fi
 [ "$rc" -eq 0 ] && note "gpu-check: PASSED" || note "gpu-check: FAILED"
 exit "$rc"

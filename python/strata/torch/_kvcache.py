@@ -31,8 +31,9 @@ from ._runtimes import Budget, has_nvme_tier, in_pages, make_runtime
 # else on the host tier; the runtime moves them down when a tier is full (LRU) and back up when
 # leased.
 #
-# update() for a layer leases its closed pages one after another, the next `_DEPTH` already on
-# their way (acquire_async), copies each into the keys and values that attention reads, then
+# update() for a layer leases its closed pages one after another, the next ones already on their
+# way (acquire_async: 2 to 8 of them, as many as an eighth of the smaller tier holds, so that NVMe
+# sees a queue of large reads), copies each into the keys and values that attention reads, then
 # appends the new tokens to the open page (and to new pages when they overflow it), and ends by
 # prefetching the first pages of the next layer (of layer 0 after the last: the next token's).
 # The keys and values handed to attention are transient tensors of one layer, as DynamicCache's
@@ -49,8 +50,9 @@ from ._runtimes import Budget, has_nvme_tier, in_pages, make_runtime
 # tokens give them back (crop), so the cache holds exactly what it held before the step, and the
 # same step may be tried again (Note [A failed step]).
 
-_DEPTH = 2  # closed pages on their way while one is copied
-_WORKING = _DEPTH + 1  # pages a layer leases at once on its read tier
+_DEPTH = 2  # closed pages on their way while one is copied, at least
+_MAX_DEPTH = 8  # and at most
+_WORKING = _DEPTH + 1  # pages a layer leases at once on its read tier, at least
 
 
 def _element_size(dtype: torch.dtype) -> int:
@@ -94,6 +96,7 @@ class _PagedLayer(CacheLayerMixin):
         self.batch_size = 0
         self.heads = 0
         self.head_dim = 0
+        self.depth = _DEPTH
 
     # -- what transformers asks --
 
@@ -113,6 +116,9 @@ class _PagedLayer(CacheLayerMixin):
         self.device = key_states.device
         self.dtype = key_states.dtype
         c._check_room(self.batch_size, self.heads, self.head_dim, self.dtype)
+        page = c.page_bytes(self.batch_size, self.heads, self.head_dim, self.dtype)
+        room = min(c._capacity["Device"] - c._model_block_bytes, c._capacity["Host"])
+        self.depth = max(_DEPTH, min(_MAX_DEPTH, room // 8 // page))
         self.is_initialized = True
 
     def get_seq_length(self) -> int:
@@ -193,12 +199,13 @@ class _PagedLayer(CacheLayerMixin):
 
         i = 0
         try:
-            for j in range(min(_DEPTH, count)):
+            depth = self.depth
+            for j in range(min(depth, count)):
                 start(j)
             for i in range(count):
                 tier, brought, future = futures.popleft()
-                if i + _DEPTH < count:
-                    start(i + _DEPTH)
+                if i + depth < count:
+                    start(i + depth)
                 with future.result() as lease:
                     page = self._view(lease)
                     n = min(p, self.tokens - i * p)
@@ -208,6 +215,8 @@ class _PagedLayer(CacheLayerMixin):
                     del page  # a view holds the lease
                 if brought and i < count - 1:  # Note [Streamed pages]; the open one stays
                     runtime.evict(self.pages[i], tier)
+                    if tier == Tier.DEVICE and brought == "nvme":  # its copy on the way too
+                        runtime.evict(self.pages[i], Tier.HOST)
         except Exception as e:
             for _, _, f in futures:  # give back what is on its way
                 with contextlib.suppress(Exception):
@@ -276,6 +285,8 @@ class _PagedLayer(CacheLayerMixin):
         self.pages[i] = new
         self.packed[i] = True
         c.runtime.destroy(old)
+        if c.home == Tier.NVME:  # create_tensor wrote it there, not a move the runtime counts
+            c._nvme_written += _stored_bytes(new, True, c._group(self.head_dim))
 
     def _unpack(self, i: int) -> None:
         """Makes the compressed page i writable again (a crop left it partly full)."""
@@ -440,7 +451,9 @@ class KVCache(Cache):
         self._host_backend = runtime.stats()["backend"] == "host"
         self._prefix = f"kv{id(self):x}"
         self._nvme_read = 0
-        self._prefetched: dict[int, bool] = {}  # pages a prefetch brought (Note [Streamed pages])
+        self._nvme_written = 0  # compressed pages made on NVMe (Note [KV pages])
+        # Pages a prefetch brought, and from where (Note [Streamed pages]).
+        self._prefetched: dict[int, bool | str] = {}
         base = runtime.stats()["transfers"]
         self._written0 = base["bytes_device_to_nvme"] + base["bytes_host_to_nvme"]
         self._read0 = base["bytes_nvme_to_device"] + base["bytes_nvme_to_host"]
@@ -490,9 +503,9 @@ class KVCache(Cache):
     # are more than a tier holds, LRU evicts from it, each time, the page that is needed soonest,
     # and every read misses. So a page brought to its read tier for one use (it was not there, or
     # a prefetch brought it) leaves that tier after the use (dropped: it is clean, its copy below
-    # is current): the pages a tier holds stay there and hit every step, and the rest stream
+    # is current), and so does the host copy it left on its way up from NVMe: the pages a tier holds stay there and hit every step, and the rest stream
     # through the room the last streamed one left.
-    def _read_tier(self, layer: _PagedLayer, i: int) -> tuple[Tier, bool]:
+    def _read_tier(self, layer: _PagedLayer, i: int) -> tuple[Tier, bool | str]:
         """Where page i of `layer` is read (Note [KV pages]) and whether this read brings it there
         (Note [Streamed pages]); counts the bytes that come from NVMe."""
         page = layer.pages[i]
@@ -505,17 +518,18 @@ class KVCache(Cache):
             tier, there = Tier.DEVICE, on_device
         else:
             tier, there = Tier.HOST, on_host
-        brought = not there or self._prefetched.pop(page.id, None) is not None
-        return tier, brought
+        # "nvme": it leaves the host tier after its use too, if it stopped there on its way.
+        brought: bool | str = "nvme" if not on_host else not there
+        return tier, self._prefetched.pop(page.id, brought)
 
     def _prefetch_layer(self, layer: _PagedLayer) -> None:
-        for i in range(min(len(layer.pages) - 1, _DEPTH)):  # closed pages
+        for i in range(min(len(layer.pages) - 1, layer.depth)):  # closed pages
             tier, brought = self._read_tier(layer, i)
             if not brought:
                 continue
             with contextlib.suppress(OutOfMemoryError):  # a hint: no room now is no error
                 self.runtime.prefetch(layer.pages[i], tier)
-                self._prefetched[layer.pages[i].id] = True
+                self._prefetched[layer.pages[i].id] = brought
 
     # -- the Cache API --
 
@@ -574,6 +588,7 @@ class KVCache(Cache):
                     tiers["nvme"] += stored
         now = self.runtime.stats()["transfers"]
         written = now["bytes_device_to_nvme"] + now["bytes_host_to_nvme"] - self._written0
+        written += self._nvme_written
         first = next((layer for layer in self.layers if layer.is_initialized), None)
         return {
             "pages": pages,
