@@ -448,6 +448,11 @@ NB_MODULE(_core, m) {
              nb::gil_scoped_release unlocked;
              rt.destroy_tensor(id);
            })
+      .def("tier_bytes",
+           [](const strata::Runtime& rt, Tier tier) {
+             const strata::TierStats s = rt.tier_stats(tier);
+             return std::make_tuple(s.capacity_bytes, s.used_bytes, s.leased_bytes);
+           })
       .def("stats_json", &strata::Runtime::stats_json)
       .def("residency_json", &strata::Runtime::residency_json)
       .def("export_trace",

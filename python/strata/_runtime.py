@@ -364,6 +364,11 @@ class Runtime:
 
     # -- what happened --
 
+    def tier_bytes(self, tier: Tier) -> tuple[int, int, int]:
+        """(capacity, used, leased) bytes of `tier` now: stats()'s figures for one tier, without
+        building the whole report (for a planner that asks per step)."""
+        return tuple(self._core.tier_bytes(tier))
+
     def stats(self) -> dict:
         """Per-tier and per-path counters, the io engine's, as a dict."""
         return json.loads(self._core.stats_json())

@@ -200,6 +200,7 @@ class _PagedLayer(CacheLayerMixin):
         i = 0
         try:
             depth = self.depth
+            room = c._room(depth + 1, self)  # Note [Streamed pages]
             for j in range(min(depth, count)):
                 start(j)
             for i in range(count):
@@ -214,9 +215,9 @@ class _PagedLayer(CacheLayerMixin):
                     values[:, :, dst].copy_(page[1, :, :, :n])
                     del page  # a view holds the lease
                 if brought and i < count - 1:  # Note [Streamed pages]; the open one stays
-                    runtime.evict(self.pages[i], tier)
+                    c._keep_or_drop(self, i, tier, room)
                     if tier == Tier.DEVICE and brought == "nvme":  # its copy on the way too
-                        runtime.evict(self.pages[i], Tier.HOST)
+                        c._keep_or_drop(self, i, Tier.HOST, room)
         except Exception as e:
             for _, _, f in futures:  # give back what is on its way
                 with contextlib.suppress(Exception):
@@ -502,9 +503,32 @@ class KVCache(Cache):
     # Every step reads every page of every layer in the same order: a cyclic scan. When the pages
     # are more than a tier holds, LRU evicts from it, each time, the page that is needed soonest,
     # and every read misses. So a page brought to its read tier for one use (it was not there, or
-    # a prefetch brought it) leaves that tier after the use (dropped: it is clean, its copy below
-    # is current), and so does the host copy it left on its way up from NVMe: the pages a tier holds stay there and hit every step, and the rest stream
+    # a prefetch brought it), and the host copy it left on its way up from NVMe, stay there only
+    # while the tier has free room beyond what the pages on their way need (counted from the
+    # tier's figures as the layer starts); else they leave after the use (dropped: clean, the copy
+    # below is current). The pages a tier holds stay there and hit every step, and the rest stream
     # through the room the last streamed one left.
+    def _room(self, pages: int, layer: _PagedLayer) -> dict[Tier, int]:
+        """Free bytes on the device and host tiers beyond `pages` of `layer`'s pages (the room
+        streaming needs), now."""
+        page = self.page_bytes(layer.batch_size, layer.heads, layer.head_dim, layer.dtype)
+        room = {}
+        for tier in (Tier.DEVICE, Tier.HOST):
+            capacity, used, _ = self.runtime.tier_bytes(tier)
+            room[tier] = capacity - used - pages * page
+        return room
+
+    def _keep_or_drop(self, layer: _PagedLayer, i: int, tier: Tier, room: dict[Tier, int]) -> None:
+        """A page brought to `tier` for one use stays while the tier has free room for it, else
+        leaves (Note [Streamed pages])."""
+        page = layer.pages[i]
+        packed = layer.packed[i] and tier != Tier.DEVICE
+        nbytes = in_pages(_stored_bytes(page, packed, self._group(layer.head_dim)))
+        if room[tier] >= nbytes:
+            room[tier] -= nbytes
+        else:
+            self.runtime.evict(page, tier)
+
     def _read_tier(self, layer: _PagedLayer, i: int) -> tuple[Tier, bool | str]:
         """Where page i of `layer` is read (Note [KV pages]) and whether this read brings it there
         (Note [Streamed pages]); counts the bytes that come from NVMe."""
