@@ -11,7 +11,7 @@
     opt = st.optim.AdamW(model.parameters(), lr=1e-3, offload="nvme", nvme_dir="/mnt/nvme0")
     model, opt = st.train.offload(model, lr=1e-4, device_budget="2GiB", nvme_dir="/mnt/nvme0")
     cache = st.KVCache(model, host_budget="4GiB", nvme_dir="/mnt/nvme0")  # KV on the tiers
-    ids = model.generate(input_ids, past_key_values=cache, max_new_tokens=512)
+    ids = model.generate(input_ids, cache=cache, max_new_tokens=512)
 
 Every parameter stays in its file (mapped in place, read with O_DIRECT) until its block runs;
 the prefetch pipeline brings the next blocks while the current one computes. See the README's
