@@ -129,9 +129,7 @@ def test_fused_experts_are_built_once_from_the_per_expert_tensors(
     monkeypatch.setattr(_keys.Conversion, "build", counted)
     budget = _third(path)
     # experts="whole": each layer leased with all its experts, as a dense layer.
-    model = st.load_model(
-        path, device=DEVICE, runtime=_runtime(budget, tmp_path), experts="whole"
-    )
+    model = st.load_model(path, device=DEVICE, runtime=_runtime(budget, tmp_path), experts="whole")
     with torch.no_grad():
         model.generate(_ids(1).to(DEVICE), max_new_tokens=4, do_sample=False)
     # gate_up_proj and down_proj of each of the 4 layers: each built once, at load.
