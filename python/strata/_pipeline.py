@@ -32,10 +32,25 @@ class PrefetchPipeline:
         fixed_lookahead: int = 2,
         write_back: bool = True,
         across_iterations: bool = True,
+        arrival_in_pieces: bool = True,
     ) -> None:
         self._runtime = runtime
+        # How it was made: a user of the same runtime that leases device room inside a step
+        # (a KV cache) makes it again with arrival_in_pieces=False (Note [Arrival in pieces]).
+        self.options = {
+            "prefetch": prefetch,
+            "fixed_lookahead": fixed_lookahead,
+            "write_back": write_back,
+            "across_iterations": across_iterations,
+            "arrival_in_pieces": arrival_in_pieces,
+        }
         self._core = _core.PrefetchPipeline(
-            runtime._core, prefetch, fixed_lookahead, write_back, across_iterations
+            runtime._core,
+            prefetch,
+            fixed_lookahead,
+            write_back,
+            across_iterations,
+            arrival_in_pieces,
         )
 
     @contextmanager

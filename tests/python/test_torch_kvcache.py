@@ -207,6 +207,9 @@ def test_a_model_run_by_load_model_shares_its_runtime(tmp_path):
     run = st.load_model(path, device=DEVICE, device_budget="1MiB", host_budget="2MiB")
     cache = st.KVCache(run, page_tokens=16)
     assert cache.runtime is run.strata.runtime
+    # Its pages are leased inside the model's blocks: no block may arrive over the running one's
+    # room meanwhile (that deadlocked, 1 run in 8; Note [Arrival in pieces]).
+    assert run.strata.pipeline.options["arrival_in_pieces"] is False
     _same(ref, _generate(run, ids, cache, max_new_tokens=10))
     with pytest.raises(strata.InvalidArgumentError, match="shares its runtime"):
         st.KVCache(run, host_budget="1GiB")
@@ -230,8 +233,10 @@ def test_an_eio_reading_a_page_names_it_and_the_step_runs_again(tmp_path):
     want = _greedy_steps(
         model, st.KVCache(model, runtime=_runtime(tmp_path / "a"), page_tokens=16), ids, 6
     )
+    # The Nth NVMe read fails (a 6 KiB page is two: its whole 4 KiB pages and the rest). One that
+    # a prefetch meets is absorbed (the lease reads the page again); one a lease meets raises.
     fired = 0
-    for n in (3, 17, 40):
+    for n in (3, 17, 40, 61):
         (tmp_path / f"f{n}").mkdir()
         rt = _runtime(tmp_path / f"f{n}", faults=[f"read:{n}:eio"])
         cache = st.KVCache(model, runtime=rt, page_tokens=16)
@@ -250,7 +255,8 @@ def test_an_eio_reading_a_page_names_it_and_the_step_runs_again(tmp_path):
                     assert [layer.get_seq_length() for layer in cache.layers] == before
                     logits = model(nxt, cache=cache, use_cache=True).logits  # again
         assert torch.equal(torch.cat(tokens, 1), want)
-    assert fired >= 2
+        assert rt.stats()["io"]["failed_requests"] == 1  # it fired, raised or absorbed
+    assert fired >= 1
 
 
 def test_nvme_full_names_the_tier_and_bytes_and_keeps_the_cache(tmp_path):

@@ -14,8 +14,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .._core import Access, Tier
 from .._errors import Error, InvalidArgumentError, OutOfMemoryError, UnsupportedError
+from .._pipeline import PrefetchPipeline
 from .._runtime import Runtime, Tensor
-from ._runtimes import Budget, has_nvme_tier, in_pages, make_runtime
+from ._runtimes import Budget, consumer_done, has_nvme_tier, in_pages, make_runtime
 
 # Note [KV pages]
 # ~~~~~~~~~~~~~~~
@@ -52,7 +53,9 @@ from ._runtimes import Budget, has_nvme_tier, in_pages, make_runtime
 
 _DEPTH = 2  # closed pages on their way while one is copied, at least
 _MAX_DEPTH = 8  # and at most
-_WORKING = _DEPTH + 1  # pages a layer leases at once on its read tier, at least
+# Pages a layer leases at once on its read tier, at least: the one copied and those on their way,
+# and on CUDA the one before, whose copies may still run (Note [Consumers' kernels]).
+_WORKING = _DEPTH + 1
 
 
 def _element_size(dtype: torch.dtype) -> int:
@@ -197,6 +200,20 @@ class _PagedLayer(CacheLayerMixin):
             tier, brought = c._read_tier(self, i)
             futures.append((tier, brought, runtime.acquire_async(self.pages[i], tier)))
 
+        # On CUDA a page's lease ends once its copies ran (Note [Consumers' kernels]): the event
+        # after them is waited for one page later, when it has most likely passed.
+        cuda = self.device.type == "cuda"
+        in_use: deque = deque()
+
+        def finish(lease: Any, event: Any, j: int, tier: Tier, brought: bool | str) -> None:
+            if event is not None:
+                event.synchronize()
+            lease.release()
+            if brought and j < count - 1:  # Note [Streamed pages]; the open one stays
+                c._keep_or_drop(self, j, tier, room)
+                if tier == Tier.DEVICE and brought == "nvme":  # its copy on the way too
+                    c._keep_or_drop(self, j, Tier.HOST, room)
+
         i = 0
         try:
             depth = self.depth
@@ -207,18 +224,28 @@ class _PagedLayer(CacheLayerMixin):
                 tier, brought, future = futures.popleft()
                 if i + depth < count:
                     start(i + depth)
-                with future.result() as lease:
-                    page = self._view(lease)
-                    n = min(p, self.tokens - i * p)
-                    dst = slice(i * p, i * p + n)
-                    keys[:, :, dst].copy_(page[0, :, :, :n])
-                    values[:, :, dst].copy_(page[1, :, :, :n])
-                    del page  # a view holds the lease
-                if brought and i < count - 1:  # Note [Streamed pages]; the open one stays
-                    c._keep_or_drop(self, i, tier, room)
-                    if tier == Tier.DEVICE and brought == "nvme":  # its copy on the way too
-                        c._keep_or_drop(self, i, Tier.HOST, room)
+                lease = future.result()
+                page = self._view(lease)
+                n = min(p, self.tokens - i * p)
+                dst = slice(i * p, i * p + n)
+                keys[:, :, dst].copy_(page[0, :, :, :n])
+                values[:, :, dst].copy_(page[1, :, :, :n])
+                del page  # a view holds the lease
+                event = None
+                if cuda:
+                    event = torch.cuda.Event()
+                    event.record()
+                in_use.append((lease, event, i, tier, brought))
+                while len(in_use) > int(cuda):
+                    finish(*in_use.popleft())
+            while in_use:
+                finish(*in_use.popleft())
         except Exception as e:
+            if cuda:
+                consumer_done(self.device)
+            for entry in in_use:
+                with contextlib.suppress(Exception):
+                    entry[0].release()
             for _, _, f in futures:  # give back what is on its way
                 with contextlib.suppress(Exception):
                     f.result().release()
@@ -254,6 +281,7 @@ class _PagedLayer(CacheLayerMixin):
                     if access == Access.WRITE and at + take < p:
                         page[:, :, :, at + take :].zero_()  # defined bytes below and on disk
                     del page
+                    consumer_done(self.device)  # Note [Consumers' kernels]
             except Exception as e:
                 if access == Access.WRITE:  # never written: it holds nothing
                     c.runtime.destroy(self.pages.pop())
@@ -301,6 +329,7 @@ class _PagedLayer(CacheLayerMixin):
             c.runtime.acquire(new, Tier.DEVICE, Access.WRITE) as dst,
         ):
             self._view(dst).copy_(self._view(src))
+            consumer_done(self.device)  # Note [Consumers' kernels]
         self.pages[i] = new
         self.packed[i] = False
         c.runtime.destroy(old)
@@ -320,6 +349,7 @@ class _PagedLayer(CacheLayerMixin):
                 self.batch_size = old_batch
                 with c.runtime.acquire(old, Tier.DEVICE, Access.READ) as lease:
                     edited = edit(self._view(lease)).clone()  # a copy, never a view of it
+                    consumer_done(self.device)  # Note [Consumers' kernels]
                 self.batch_size = batch_size
                 new = c.runtime.create_unwritten(
                     self._page_name(i) + ".b", self._page_shape(), _DTYPE_NAMES[self.dtype], c.home
@@ -327,6 +357,7 @@ class _PagedLayer(CacheLayerMixin):
                 pages.append(new)
                 with c.runtime.acquire(new, Tier.DEVICE, Access.WRITE) as lease:
                     self._view(lease).copy_(edited)
+                    consumer_done(self.device)  # Note [Consumers' kernels]
         except Exception:
             self.batch_size = old_batch
             for t in pages:
@@ -434,6 +465,16 @@ class KVCache(Cache):
                 )
             runtime = offloaded.runtime
             self._model_block_bytes = max((b.nbytes for b in offloaded.blocks), default=0)
+            # Note [Arrival in pieces] (scheduler/src/planner.cpp): the model's pipeline may
+            # place the next block over the running block's room, and then no more device room
+            # may be asked for before that block's leases end, which is what a layer's pages
+            # do inside its block: the next block waited for the pages' lease and the pages'
+            # lease for the block's room. The model's pipeline is made again without it.
+            pipeline = offloaded.pipeline
+            if pipeline.options["arrival_in_pieces"]:
+                offloaded.pipeline = PrefetchPipeline(
+                    runtime, **{**pipeline.options, "arrival_in_pieces": False}
+                )
         self._owned = runtime is None
         if runtime is None:
             device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -478,7 +519,8 @@ class KVCache(Cache):
 
     def _check_room(self, batch_size: int, heads: int, head_dim: int, dtype: torch.dtype) -> None:
         page = self.page_bytes(batch_size, heads, head_dim, dtype)
-        need = _WORKING * page
+        working = _WORKING + (0 if self._host_backend else 1)
+        need = working * page
         shape = f"[2, {batch_size}, {heads}, {self.page_tokens}, {head_dim}]"
         for tier, extra, why in (
             ("Device", self._model_block_bytes, " plus the model's largest block"),
@@ -487,7 +529,7 @@ class KVCache(Cache):
             have = self._capacity[tier]
             if need + extra > have:
                 raise OutOfMemoryError(
-                    f"KVCache: one layer's working pages ({_WORKING} pages of {shape} "
+                    f"KVCache: one layer's working pages ({working} pages of {shape} "
                     f"{str(dtype).removeprefix('torch.')}, {_mib(need)})"
                     f"{f'{why} ({_mib(extra)})' if extra else ''} do not fit the {tier} tier's "
                     f"budget of {_mib(have)}: raise it, or lower page_tokens"
@@ -521,6 +563,8 @@ class KVCache(Cache):
     def _keep_or_drop(self, layer: _PagedLayer, i: int, tier: Tier, room: dict[Tier, int]) -> None:
         """A page brought to `tier` for one use stays while the tier has free room for it, else
         leaves (Note [Streamed pages])."""
+        if tier == self.home:  # its floor: never dropped from there
+            return
         page = layer.pages[i]
         packed = layer.packed[i] and tier != Tier.DEVICE
         nbytes = in_pages(_stored_bytes(page, packed, self._group(layer.head_dim)))
