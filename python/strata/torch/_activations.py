@@ -19,6 +19,7 @@ from .. import _core
 from .._core import Access, Tier
 from .._errors import InvalidArgumentError, OutOfMemoryError
 from .._runtime import Runtime, Tensor
+from ._runtimes import consumer_done
 
 # Note [Saved activations]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -123,6 +124,7 @@ class ActivationOffload:
             # A copy: the lease ends here, so the handle can always destroy its tensor (a view
             # of the lease would hold it for as long as autograd keeps the value).
             value = torch.from_dlpack(lease).view(packed.shape).to(packed.device, copy=True)
+            consumer_done(value.device)  # Note [Consumers' kernels] (in _runtimes.py)
         return value
 
 

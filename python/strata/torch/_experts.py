@@ -19,6 +19,7 @@ from .._errors import InvalidArgumentError, NotFoundError, UnsupportedError
 from .._runtime import Lease, Runtime, Tensor
 from ._checkpoint import MappedTensor
 from ._keys import Conversion, KeyMap
+from ._runtimes import consumer_done
 
 # Note [Leased experts]
 # ~~~~~~~~~~~~~~~~~~~~~~
@@ -595,7 +596,7 @@ class ExpertCache:
         with self.runtime.acquire(tensor, Tier.DEVICE, Access.READ) as lease, torch.no_grad():
             weight = torch.from_dlpack(lease).view(shape)
             logits = nn.functional.linear(hidden.to(weight.dtype), weight)
-            chosen = torch.topk(logits, k, dim=-1).indices.unique().tolist()
+            chosen = torch.topk(logits, k, dim=-1).indices.unique().tolist()  # host-synced
         self._prefetch_guess(nxt, chosen, room)
 
     # -- a forward --
@@ -667,6 +668,8 @@ class ExpertCache:
                 final.index_add_(0, token_idx, out.to(final.dtype))
                 done = time.perf_counter()
             finally:
+                if tier is Tier.DEVICE:
+                    consumer_done(self.device)  # Note [Consumers' kernels]
                 for lease in leases:
                     lease.release()
             if tier is Tier.DEVICE:

@@ -27,7 +27,7 @@ from ._checkpoint import Checkpoint, MappedTensor, checkpoint_files, map_checkpo
 from ._compress import Rule, compress_checkpoint
 from ._experts import ExpertCache, ExpertLayer, build_experts, find_experts, find_router
 from ._keys import KeyMap, checkpoint_keys
-from ._runtimes import Budget, make_runtime
+from ._runtimes import Budget, consumer_done, make_runtime
 
 # Note [Blocks]
 # ~~~~~~~~~~~~~
@@ -210,6 +210,7 @@ class Offloaded:
         self._open = None
         for slot in block.slots:
             slot.owner._parameters[slot.name] = slot.placeholder
+        consumer_done(self.device)  # Note [Consumers' kernels]
         for lease in leases:
             lease.release()
         self.pipeline._core.end_step()

@@ -27,6 +27,21 @@ def in_pages(nbytes: int) -> int:
     return -(-nbytes // PAGE_BYTES) * PAGE_BYTES
 
 
+# Note [Consumers' kernels]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# A lease's bytes may be given to another tensor as soon as the lease is released, and the
+# runtime's CUDA streams are non-blocking: nothing orders its next copy into that room after the
+# kernels torch queued on its own stream that still read (or write) the leased bytes. So on CUDA
+# a device lease whose bytes kernels use is released only once those kernels have run: after
+# consumer_done() (the stream's synchronize), or an event recorded after them. On the host
+# backend every op on a lease's bytes has run when it returns.
+def consumer_done(device: torch.device) -> None:
+    """Returns once the kernels queued on `device`'s current stream have run (Note [Consumers'
+    kernels]); at once for a CPU device."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
 _SCRATCH: weakref.WeakSet[Runtime] = weakref.WeakSet()  # runtimes whose NVMe tier is scratch
 
 

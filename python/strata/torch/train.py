@@ -48,7 +48,7 @@ from . import _threads
 from ._activations import ActivationOffload
 from ._activations import _bytes as _min_bytes
 from ._offload import _placeholder, find_blocks
-from ._runtimes import Budget, in_pages, make_runtime
+from ._runtimes import Budget, consumer_done, in_pages, make_runtime
 
 __all__ = ["TrainOptimizer", "load_checkpoint", "offload", "parameters", "save_checkpoint"]
 
@@ -518,6 +518,7 @@ class _Leased:
         tr._open = None
         call = self.call
         call.stores, call.views = None, []
+        consumer_done(tr.device)  # Note [Consumers' kernels]
         for lease in self.leases:
             lease.release()
         tr.pipeline._core.end_step()
