@@ -4,7 +4,9 @@ dropout-free GPT-2 the training benchmarks run."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -152,3 +154,26 @@ class MemoryLimit:
             os.rmdir(self.dir)
         except OSError:
             pass
+
+
+def run_json_child(cmd: list[str], limit: int | None, name: str) -> dict | None:
+    """Runs `cmd` (a child printing its result as JSON on its last line), inside a memory cgroup
+    of `limit` bytes when one is given; its result, or None when the limit killed it. Another
+    failure exits naming `name` with the child's stderr."""
+    lim = MemoryLimit(limit, name) if limit else None
+    try:
+        out = subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            check=False,
+            preexec_fn=lim.preexec if lim else None,
+        )
+    finally:
+        if lim:
+            lim.close()
+    if lim and out.returncode == -9:
+        return None
+    if out.returncode != 0:
+        raise SystemExit(f"{name} failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])

@@ -28,12 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-from _pybench import MemoryLimit, reset_peak_rss, status_bytes
+from _pybench import MemoryLimit, reset_peak_rss, run_json_child, status_bytes
 
 KINDS = ["strata", "dynamic", "dynamic_offloaded"]
 
@@ -197,23 +196,8 @@ def run_child(kind: str, context: int, args: argparse.Namespace, limit: int | No
     ):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     cmd += ["--contexts", *map(str, args.contexts)]
-    lim = MemoryLimit(limit, f"{kind}-{context}") if limit else None
-    try:
-        out = subprocess.run(
-            cmd,
-            capture_output=True,
-            text=True,
-            check=False,
-            preexec_fn=lim.preexec if lim else None,
-        )
-    finally:
-        if lim:
-            lim.close()
-    if lim and out.returncode == -9:
-        return {"kind": kind, "context": context, "oom": True}
-    if out.returncode != 0:
-        raise SystemExit(f"{kind} at {context} failed:\n{out.stderr[-4000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    result = run_json_child(cmd, limit, f"{kind} at {context}")
+    return {"kind": kind, "context": context, "oom": True} if result is None else result
 
 
 def _bytes(text: str) -> int:

@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-from _pybench import MemoryLimit, reset_peak_rss, status_bytes
+from _pybench import MemoryLimit, reset_peak_rss, run_json_child, status_bytes
 
 _spec = importlib.util.spec_from_file_location("hf_vs_accelerate", HERE / "hf-vs-accelerate.py")
 _hf = importlib.util.module_from_spec(_spec)
@@ -220,23 +220,8 @@ def run_child(kind: str, args: argparse.Namespace, checkpoint: Path, limit: int 
         "whole_device_budget",
     ):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
-    lim = MemoryLimit(limit, kind) if limit else None
-    try:
-        out = subprocess.run(
-            cmd,
-            capture_output=True,
-            text=True,
-            check=False,
-            preexec_fn=lim.preexec if lim else None,
-        )
-    finally:
-        if lim:
-            lim.close()
-    if lim and out.returncode == -9:
-        return {"framework": kind, "oom": True}
-    if out.returncode != 0:
-        raise SystemExit(f"{kind} failed:\n{out.stderr[-4000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    result = run_json_child(cmd, limit, kind)
+    return {"framework": kind, "oom": True} if result is None else result
 
 
 def _med(xs: list[float]) -> float:

@@ -488,17 +488,17 @@ class KVCache(Cache):
             )
         self.runtime = runtime
         self.home = Tier.NVME if has_nvme_tier(runtime) else Tier.HOST
-        tiers = runtime.stats()["tiers"]
+        stats = runtime.stats()
+        tiers = stats["tiers"]
         self._capacity = {t: tiers[t]["capacity_bytes"] for t in ("Device", "Host", "Nvme")}
-        self._host_backend = runtime.stats()["backend"] == "host"
+        self._host_backend = stats["backend"] == "host"
         self._prefix = f"kv{id(self):x}"
         self._nvme_read = 0
         self._nvme_written = 0  # compressed pages made on NVMe (Note [KV pages])
         # Pages a prefetch brought, and from where (Note [Streamed pages]).
         self._prefetched: dict[int, bool | str] = {}
-        base = runtime.stats()["transfers"]
+        base = stats["transfers"]
         self._written0 = base["bytes_device_to_nvme"] + base["bytes_host_to_nvme"]
-        self._read0 = base["bytes_nvme_to_device"] + base["bytes_nvme_to_host"]
         self._step_tokens = 0
         layers = [_PagedLayer(self, i) for i in range(config.num_hidden_layers)]
         super().__init__(layers=layers)
