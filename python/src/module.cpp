@@ -529,21 +529,35 @@ NB_MODULE(_core, m) {
              nb::gil_scoped_release unlocked;
              p.pipeline->end_step(std::move(leases));
            })
+      .def("drain",
+           [](PyPipeline& p) {
+             nb::gil_scoped_release unlocked;
+             p.pipeline->drain();
+           })
       .def("stats", [](const PyPipeline& p) {
         const strata::PipelineStats s = p.pipeline->stats();
         nb::dict d;
+        // Every field of strata::PipelineStats, by its C++ name.
         d["steps"] = s.steps;
+        d["divergences"] = s.divergences;
+        d["resyncs"] = s.resyncs;
+        d["on_demand"] = s.on_demand;
         d["prefetches"] = s.prefetches;
         d["host_prefetches"] = s.host_prefetches;
+        d["arrivals_in_pieces"] = s.arrivals_in_pieces;
         d["ready_at_begin"] = s.ready_at_begin;
         d["inputs"] = s.inputs;
-        d["on_demand"] = s.on_demand;
-        d["divergences"] = s.divergences;
         d["write_backs"] = s.write_backs;
+        d["discards"] = s.discards;
+        d["deferred"] = s.deferred;
         d["prefetch_failures"] = s.prefetch_failures;
+        d["max_window_bytes"] = s.max_window_bytes;
+        d["max_host_window_bytes"] = s.max_host_window_bytes;
         d["max_lookahead_steps"] = s.max_lookahead_steps;
+        d["max_host_lookahead_steps"] = s.max_host_lookahead_steps;
         d["measured_gbps"] = s.measured_gbps;
         d["compute_s_per_step"] = s.compute_s_per_step;
+        d["needed_lookahead_steps"] = s.needed_lookahead_steps;
         return d;
       });
 

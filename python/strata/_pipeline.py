@@ -78,6 +78,14 @@ class PrefetchPipeline:
                 lease.release()
             self._core.end_step()
 
+    def drain(self) -> None:
+        """Waits (without the GIL) until the planner has issued what it can now and no
+        write-back is queued or running: a step begun after it finds whatever the planner could
+        bring ahead already on its way."""
+        self._core.drain()
+
     def stats(self) -> dict[str, Any]:
-        """Steps, prefetches, inputs ready at their step's start, the link rate measured."""
+        """Every field of the C++ PipelineStats: steps, prefetches (``prefetches`` whole,
+        ``arrivals_in_pieces`` over a running step's room, ``host_prefetches`` staged on the
+        host), inputs ready at their step's start, write-backs, the link rate measured."""
         return self._core.stats()
