@@ -145,6 +145,29 @@ def test_logits_and_every_greedy_token_equal_transformers_with_a_quarter_of_the_
     assert 0.0 <= experts["guess_accuracy"] <= 1.0
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_an_experts_back_to_back_tensors_are_one_lease(checkpoints, tmp_path, family):
+    # Note [An expert in one piece]: save_pretrained writes expert i's tensors back to back
+    # (Qwen: down_proj, gate_proj, up_proj; Mixtral: w1, w2, w3), so each expert is one strata
+    # tensor over that run of its file. Qwen's gate_up slice (gate then up) is a view of it;
+    # Mixtral's (w1 then w3, with w2 between) is joined from two views.
+    path = checkpoints[family]
+    model = _load(path, tmp_path)
+    for layer in model.strata.experts.layers:
+        for expert in layer.experts:
+            assert len(expert.tensors) == 1, expert.tensors
+            (run,) = expert.tensors
+            assert run.nbytes == expert.nbytes
+            elements = sum(p.numel for s in expert.slices.values() for p in s.parts)
+            assert elements * 4 == run.nbytes  # float32: every byte of the run is some part's
+            views = {attr: s.one_view() for attr, s in expert.slices.items()}
+            assert views == {"gate_up_proj": family == "qwen3_moe", "down_proj": True}
+    ref = _reference(path)
+    ids = _ids(2, 7)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+
+
 @pytest.mark.parametrize("compute", ["device", "auto"])
 def test_experts_stay_on_their_tier_between_tokens(checkpoints, tmp_path, compute):
     # Budgets that hold the whole model: each expert is read once, at its first use; every
@@ -372,7 +395,9 @@ def _policy_cache(tmp_path, n, share_experts):
     for e in range(n):
         t = rt.create_tensor(f"e{e}", (1024,), "float32", Tier.HOST)
         experts.append(
-            _experts.Expert(0, e, {"w": _experts._Slice([t], 0, (1024,), torch.float32)})
+            _experts.Expert(
+                0, e, {"w": _experts._Slice([_experts._whole(t)], 0, (1024,), torch.float32)}
+            )
         )
     # top_k 0: no guess by frequency at a forward's start (Note [Pre-gating]), only the policy
     layer = _experts.ExpertLayer("experts", torch.nn.Module(), 0, experts, 0)

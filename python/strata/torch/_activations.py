@@ -19,6 +19,7 @@ from .. import _core
 from .._core import Access, Tier
 from .._errors import InvalidArgumentError, OutOfMemoryError
 from .._runtime import Runtime, Tensor
+from ._dtypes import STRATA_DTYPES
 from ._runtimes import consumer_done
 
 # Note [Saved activations]
@@ -90,7 +91,7 @@ class ActivationOffload:
             or not t.is_contiguous()
             or (t.is_leaf and t.requires_grad)
             or t.is_sparse
-            or t.dtype not in _DTYPES
+            or t.dtype not in STRATA_DTYPES
         ):
             self.kept += 1
             return t
@@ -100,7 +101,7 @@ class ActivationOffload:
         with self._lock:
             name = f"activation.{next(self._names)}"
         tensor = self.runtime.create_tensor(
-            name, tuple(t.shape), _DTYPES[t.dtype], self.tier, src.contiguous()
+            name, tuple(t.shape), STRATA_DTYPES[t.dtype], self.tier, src.contiguous()
         )
         last = None if self._last is None else self._last()
         saved = _Saved(self.runtime, tensor, t.shape, t.dtype, t.device, last)
@@ -126,20 +127,6 @@ class ActivationOffload:
             value = torch.from_dlpack(lease).view(packed.shape).to(packed.device, copy=True)
             consumer_done(value.device)  # Note [Consumers' kernels] (in _runtimes.py)
         return value
-
-
-_DTYPES = {
-    torch.float32: "float32",
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    torch.float64: "float64",
-    torch.int64: "int64",
-    torch.int32: "int32",
-    torch.int16: "int16",
-    torch.int8: "int8",
-    torch.uint8: "uint8",
-    torch.bool: "bool",
-}
 
 
 @contextmanager

@@ -25,6 +25,7 @@ from .._pipeline import PrefetchPipeline
 from .._runtime import Lease, Runtime, Tensor
 from ._checkpoint import Checkpoint, MappedTensor, checkpoint_files, map_checkpoint
 from ._compress import Rule, compress_checkpoint
+from ._dtypes import torch_dtype
 from ._experts import ExpertCache, ExpertLayer, build_experts, find_experts, find_router
 from ._keys import KeyMap, checkpoint_keys
 from ._runtimes import Budget, consumer_done, make_runtime
@@ -39,24 +40,6 @@ from ._runtimes import Budget, consumer_done, make_runtime
 # A parameter outside a forward is a placeholder on the right device with the right dtype and
 # shape, holding one NaN broadcast to that shape (model.device and model.dtype stay right, and a
 # use of it outside its block's forward shows as NaN rather than as plausible numbers).
-
-_TORCH_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a strata Tensor's dtype name."""
-    return _TORCH_DTYPES[name]
 
 
 @dataclass
@@ -500,7 +483,16 @@ def offload(
         }
         layers = [
             build_experts(
-                name, m, i, lambda p: names_of[id(p)][0], tensors, keys, runtime, owned, dtype
+                name,
+                m,
+                i,
+                lambda p: names_of[id(p)][0],
+                tensors,
+                keys,
+                runtime,
+                owned,
+                dtype,
+                compressed,
             )
             for i, (name, m) in enumerate(expert_modules)
         ]
