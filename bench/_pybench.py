@@ -1,11 +1,13 @@
 """What the Python benchmarks share: the package as the README's build leaves it on the path,
-a process's memory from /proc, a memory cgroup to run a child process under a limit, and the
-dropout-free GPT-2 the training benchmarks run."""
+a process's memory and storage reads from /proc, dropping files from the page cache, the disk's
+read rate by fio, a memory cgroup to run a child process under a limit, and the dropout-free
+GPT-2 the training benchmarks run."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +25,70 @@ def status_bytes(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def os_read_bytes() -> int:
+    """What the kernel read from storage for this process (all its threads): /proc/self/io
+    read_bytes, O_DIRECT and page-cache reads alike."""
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    return 0
+
+
+def drop_page_cache(paths: list[Path]) -> str:
+    """Drops the files' pages from the page cache: drop_caches when writable (root), and
+    posix_fadvise(DONTNEED) on each file either way. Returns how."""
+    how = "fadvise"
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        how = "drop_caches+fadvise"
+    except OSError:
+        pass
+    for p in paths:
+        for f in [p] if p.is_file() else [x for x in p.rglob("*") if x.is_file()]:
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    return how
+
+
+def disk_gbps(path: Path, runs: int = 3) -> list[float]:
+    """The disk's read rate on the checkpoint's own files: fio, O_DIRECT, io_uring, 1 MiB
+    blocks, queue depth 16, 3 seconds, `runs` times (this VM's disk varies by 2x from one run to
+    the next). Empty when fio is missing."""
+    fio = shutil.which("fio")
+    if fio is None:
+        return []
+    files = ":".join(str(f) for f in sorted(path.glob("*.safetensors")))
+    rates = []
+    for _ in range(runs):
+        out = subprocess.run(
+            [
+                fio,
+                "--name=read",
+                f"--filename={files}",
+                "--rw=read",
+                "--bs=1M",
+                "--direct=1",
+                "--ioengine=io_uring",
+                "--iodepth=16",
+                "--time_based",
+                "--runtime=3",
+                "--output-format=json",
+                "--readonly",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        rates.append(json.loads(out.stdout)["jobs"][0]["read"]["bw_bytes"] / 1e9)
+    return rates
 
 
 def reset_peak_rss() -> None:

@@ -44,28 +44,14 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-from _pybench import MemoryLimit, reset_peak_rss, status_bytes
-
-
-def drop_page_cache(paths: list[Path]) -> str:
-    """Drops the files' pages from the page cache: drop_caches when writable (root), and
-    posix_fadvise(DONTNEED) on each file either way. Returns how."""
-    how = "fadvise"
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-        how = "drop_caches+fadvise"
-    except OSError:
-        pass
-    for p in paths:
-        for f in [p] if p.is_file() else [x for x in p.rglob("*") if x.is_file()]:
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-    return how
+from _pybench import (
+    MemoryLimit,
+    disk_gbps,
+    drop_page_cache,
+    os_read_bytes,
+    reset_peak_rss,
+    status_bytes,
+)
 
 
 def make_checkpoint(path: Path, args: argparse.Namespace) -> None:
@@ -96,39 +82,6 @@ def make_checkpoint(path: Path, args: argparse.Namespace) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, max_shard_size="200MB")
     tmp.rename(path)
-
-
-def disk_gbps(path: Path, runs: int = 3) -> list[float]:
-    """The disk's read rate on the checkpoint's own files: fio, O_DIRECT, io_uring, 1 MiB
-    blocks, queue depth 16, 3 seconds, `runs` times (this VM's disk varies by 2x from one run to
-    the next). Empty when fio is missing."""
-    fio = shutil.which("fio")
-    if fio is None:
-        return []
-    files = ":".join(str(f) for f in sorted(path.glob("*.safetensors")))
-    rates = []
-    for _ in range(runs):
-        out = subprocess.run(
-            [
-                fio,
-                "--name=read",
-                f"--filename={files}",
-                "--rw=read",
-                "--bs=1M",
-                "--direct=1",
-                "--ioengine=io_uring",
-                "--iodepth=16",
-                "--time_based",
-                "--runtime=3",
-                "--output-format=json",
-                "--readonly",
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        rates.append(json.loads(out.stdout)["jobs"][0]["read"]["bw_bytes"] / 1e9)
-    return rates
 
 
 # ---- one framework in its own process ---------------------------------------------------
@@ -183,14 +136,6 @@ def child(args: argparse.Namespace) -> dict:
 
     def bytes_read() -> int:
         return rt.stats()["io"]["bytes_read"] if rt is not None else 0
-
-    def os_read_bytes() -> int:
-        """What the kernel read from storage for this process (all its threads)."""
-        with open("/proc/self/io") as f:
-            for line in f:
-                if line.startswith("read_bytes:"):
-                    return int(line.split()[1])
-        return 0
 
     def timed(fn, cold: bool) -> dict:
         how = drop_page_cache(drop_targets) if cold else None
