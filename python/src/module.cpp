@@ -479,17 +479,22 @@ NB_MODULE(_core, m) {
           "__init__",
           [](PyPipeline* self, strata::Runtime& rt, const std::string& prefetch,
              std::size_t fixed_lookahead, bool write_back, bool across_iterations,
-             bool arrival_in_pieces) {
+             bool arrival_in_pieces, double budget_fraction, std::uint64_t device_reserve,
+             std::uint64_t host_reserve) {
             strata::PipelineOptions o;
             o.prefetch = parse_mode(prefetch);
             o.fixed_lookahead = fixed_lookahead;
             o.write_back = write_back;
             o.across_iterations = across_iterations;
             o.arrival_in_pieces = arrival_in_pieces;
+            o.budget_fraction = budget_fraction;
+            o.device_reserve_bytes = device_reserve;
+            o.host_reserve_bytes = host_reserve;
             new (self) PyPipeline{&rt, std::make_unique<strata::PrefetchPipeline>(rt, o), {}};
           },
           nb::keep_alive<1, 2>(), "runtime"_a, "prefetch"_a = "auto", "fixed_lookahead"_a = 2,
-          "write_back"_a = true, "across_iterations"_a = true, "arrival_in_pieces"_a = true)
+          "write_back"_a = true, "across_iterations"_a = true, "arrival_in_pieces"_a = true,
+          "budget_fraction"_a = 1.0, "device_reserve"_a = 0, "host_reserve"_a = 0)
       .def("begin_iteration",
            [](PyPipeline& p) {
              nb::gil_scoped_release unlocked;

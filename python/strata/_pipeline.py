@@ -33,7 +33,14 @@ class PrefetchPipeline:
         write_back: bool = True,
         across_iterations: bool = True,
         arrival_in_pieces: bool = True,
+        budget_fraction: float = 1.0,
+        device_reserve: int = 0,
+        host_reserve: int = 0,
     ) -> None:
+        """`budget_fraction`: the share of the device budget (and of the host tier) the prefetch
+        windows may take; `device_reserve` / `host_reserve`: bytes of each they leave to what
+        the loop leases inside its steps beside the steps' tensors (an expert cache, a KV
+        cache's pages)."""
         self._runtime = runtime
         # How it was made: a user of the same runtime that leases device room inside a step
         # (a KV cache) makes it again with arrival_in_pieces=False (Note [Arrival in pieces]).
@@ -43,6 +50,9 @@ class PrefetchPipeline:
             "write_back": write_back,
             "across_iterations": across_iterations,
             "arrival_in_pieces": arrival_in_pieces,
+            "budget_fraction": budget_fraction,
+            "device_reserve": device_reserve,
+            "host_reserve": host_reserve,
         }
         self._core = _core.PrefetchPipeline(
             runtime._core,
@@ -51,6 +61,9 @@ class PrefetchPipeline:
             write_back,
             across_iterations,
             arrival_in_pieces,
+            budget_fraction,
+            device_reserve,
+            host_reserve,
         )
 
     @contextmanager

@@ -42,10 +42,13 @@ bool PrefetchPipeline::Impl::planner_has_work() const {
 // fixed_lookahead steps ahead in Fixed mode; None stages nothing.
 void PrefetchPipeline::Impl::plan() {
   name_this_thread("plan");
-  const double budget =
-      static_cast<double>(rt_.backend().info().budget_bytes) * options_.budget_fraction;
+  const double budget = std::max(
+      0.0, static_cast<double>(rt_.backend().info().budget_bytes) * options_.budget_fraction -
+               static_cast<double>(options_.device_reserve_bytes));
   const double host_budget =
-      static_cast<double>(rt_.tier_stats(Tier::Host).capacity_bytes) * options_.budget_fraction;
+      std::max(0.0, static_cast<double>(rt_.tier_stats(Tier::Host).capacity_bytes) *
+                            options_.budget_fraction -
+                        static_cast<double>(options_.host_reserve_bytes));
   std::unique_lock lock(mutex_);
   for (;;) {
     wake_.wait(lock, [&] { return stopping_ || planner_has_work(); });

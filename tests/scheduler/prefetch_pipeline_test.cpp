@@ -140,6 +140,47 @@ TEST_F(PrefetchPipelineTest, WithoutLookaheadAcrossIterationsAPassEndsDrainedAnd
   }
 }
 
+TEST_F(PrefetchPipelineTest, AReserveIsRoomTheWindowsLeaveToWhatTheStepsLease) {
+  // 16 layers of 128 KiB; the 512 KiB device holds four, the 1 MiB host tier eight. With half
+  // of each reserved, each window holds two (the running layer and the next); the room left is
+  // what a step leases beside its layer (an expert cache): here a 256 KiB device tensor leased
+  // inside every step, which then never has to push a prefetched layer out.
+  make(16);
+  const TensorId other = rt_->create_tensor(desc("other", 256 * KiB), Tier::Host, nullptr);
+  PipelineOptions o;
+  o.device_reserve_bytes = 256 * KiB;
+  o.host_reserve_bytes = rt_->tier_stats(Tier::Host).capacity_bytes / 2;
+  {
+    PrefetchPipeline p(*rt_, o);
+    p.set_schedule(layer_order());
+    for (int it = 0; it < 3; ++it) {
+      p.begin_iteration();
+      for (std::size_t s = 0; s < layers_.size(); ++s) {
+        StepLeases in = p.begin_step("layer" + std::to_string(s), {{layers_[s], Access::Read}});
+        ASSERT_EQ(leased_bytes(in[0]), data_[s]) << "step " << s;
+        { Lease beside = rt_->acquire(other, Tier::Device, Access::Read).get(); }
+        p.end_step(std::move(in));
+      }
+      p.end_iteration();
+    }
+    const PipelineStats s = p.stats();
+    EXPECT_LE(s.max_window_bytes, 256 * KiB);
+    EXPECT_LE(s.max_lookahead_steps, 1u);
+    EXPECT_LE(s.max_host_window_bytes, o.host_reserve_bytes);
+    EXPECT_LE(rt_->tier_stats(Tier::Device).peak_bytes, rt_->backend().info().budget_bytes);
+    EXPECT_EQ(s.prefetch_failures, 0u);
+  }  // one pipeline drives a runtime at a time
+  // Reserving all of the device leaves no window: nothing is prefetched to it.
+  o.device_reserve_bytes = rt_->backend().info().budget_bytes;
+  PrefetchPipeline none(*rt_, o);
+  none.set_schedule(layer_order());
+  pass(none, all());
+  pass(none, all());
+  none.drain();
+  EXPECT_EQ(none.stats().prefetches, 0u);
+  EXPECT_EQ(none.stats().max_window_bytes, 0u);
+}
+
 TEST_F(PrefetchPipelineTest, TheLookaheadWindowNeverExceedsTheBudget) {
   make(16);
   PrefetchPipeline p(*rt_);

@@ -561,12 +561,15 @@ def offload(
         for attr, p in list(m.named_parameters(recurse=False)):
             m._parameters[attr] = _placeholder(p.shape, p.dtype, dev)
     if layers:
-        # Note [The expert cache]: the dense blocks are prefetched one ahead, so that the
-        # current block, the next and an expert fit together; with less, on demand.
+        # Note [The expert cache]: the dense blocks are prefetched one ahead, within what the
+        # experts' shares leave of each tier; when two blocks and an expert do not fit the
+        # device, on demand.
         room = 2 * max(b.nbytes for b in found) + max(e.nbytes for lr in layers for e in lr.experts)
         if prefetch == "auto":
             prefetch = "fixed" if not budget or room <= budget else "none"
-        pipeline = PrefetchPipeline(runtime, prefetch, fixed_lookahead=1)
+        pipeline = PrefetchPipeline(
+            runtime, prefetch, fixed_lookahead=1, device_reserve=shares[0], host_reserve=shares[1]
+        )
     else:
         pipeline = PrefetchPipeline(runtime, prefetch)
     handle = Offloaded(module, runtime, pipeline, found, owned, dev)

@@ -25,6 +25,12 @@ struct PipelineOptions {
   /// Fraction of the device budget the prefetch window's working set may take, and of the host
   /// tier's capacity the host window's (0 < f <= 1).
   double budget_fraction = 1.0;
+  /// Bytes of the device budget, and of the host tier's capacity, that the windows leave to
+  /// what the caller leases inside its steps beside the steps' own tensors (an expert cache, a
+  /// KV cache's pages): each window's working set stays within (budget x budget_fraction) less
+  /// its reserve. A reserve as large as that leaves no window: nothing is prefetched there.
+  std::uint64_t device_reserve_bytes = 0;
+  std::uint64_t host_reserve_bytes = 0;
   /// On the write-back thread, overlapping with later steps: a tensor written on the device and
   /// not used on the device again this iteration goes down to the host (a gradient the CPU
   /// optimizer reads next); one written on the host and not used there again goes down to NVMe
