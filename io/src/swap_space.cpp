@@ -8,11 +8,11 @@
 #include <cstring>
 
 #include "callback_future.h"
-#include "strata/io/crc32c.h"
 #include "strata/base/error.h"
-#include "strata/io/pages.h"
 #include "strata/base/tunables.h"
 #include "strata/base/units.h"
+#include "strata/io/crc32c.h"
+#include "strata/io/pages.h"
 
 namespace strata {
 
@@ -127,12 +127,26 @@ SwapSpace::~SwapSpace() {
       ::unlink(p.c_str());
 }
 
+// Note [Small extents]: an extent starts on a stripe boundary so that its stripe unit k is its
+// bytes [k * S, (k + 1) * S), one checksum each. One smaller than a stripe unit needs only to
+// stay inside one: it is aligned to the smallest power of two (at least a page) that holds it,
+// which divides S, so it never crosses a boundary and is one piece, unit 0. Aligned to S, each
+// would take a whole stripe of the swap (a 4 KiB norm's state, a KV cache's 256 KiB page: 1 MiB
+// at the default stripe), the rest of it unusable by the next stripe-aligned extent.
+std::uint64_t SwapSpace::alignment_for(std::uint64_t bytes) const noexcept {
+  const std::uint64_t S = options_.stripe_bytes;
+  std::uint64_t a = kPageBytes;
+  while (a < bytes && a < S)
+    a <<= 1;
+  return a < S && S % a == 0 ? a : S;
+}
+
 ExtentId SwapSpace::allocate(std::uint64_t bytes) {
   STRATA_EXPECTS(bytes > 0, "swap extent of 0 bytes");
   auto e = std::make_shared<Extent>();
   e->bytes = bytes;
   std::lock_guard lock(mutex_);
-  e->logical = space_.allocate(bytes, options_.stripe_bytes);
+  e->logical = space_.allocate(bytes, alignment_for(bytes));
   const std::size_t units = (bytes + options_.stripe_bytes - 1) / options_.stripe_bytes;
   e->crc_bytes.assign(units, 0);
   e->crcs.assign(units, 0);
@@ -192,7 +206,8 @@ RangeStats SwapSpace::stats() const {
 
 // Stripe pieces of [from, from + bytes) of a swap extent: logical offset L lives in stripe
 // s = L / S, on path s % P, at file offset (s / P) * S + L % S. Extents start on stripe
-// boundaries, so stripe unit k of an extent is its bytes [k * S, (k + 1) * S).
+// boundaries or lie inside one stripe (Note [Small extents]), so stripe unit k of an extent is
+// its bytes [k * S, (k + 1) * S).
 std::vector<SwapSpace::Piece> SwapSpace::layout(const Extent& e, std::uint64_t from,
                                                 std::uint64_t bytes) const {
   std::vector<Piece> out;
@@ -202,8 +217,8 @@ std::vector<SwapSpace::Piece> SwapSpace::layout(const Extent& e, std::uint64_t f
     const std::uint64_t logical = e.logical + from + at;
     const std::uint64_t stripe = logical / S, within = logical % S;
     const std::uint64_t len = std::min(S - within, bytes - at);
-    out.push_back(
-        {&files_[stripe % P], (stripe / P) * S + within, len, at, (from + at) / S, within == 0});
+    out.push_back({&files_[stripe % P], (stripe / P) * S + within, len, at, (from + at) / S,
+                   (from + at) % S == 0});
     at += len;
   }
   return out;

@@ -11,9 +11,9 @@
 #include <fstream>
 
 #include "io/io_test_util.h"
-#include "strata/io/crc32c.h"
 #include "strata/base/error.h"
 #include "strata/base/units.h"
+#include "strata/io/crc32c.h"
 
 namespace strata::testing {
 namespace {
@@ -140,6 +140,70 @@ TEST_P(SwapSpaceTest, AFlippedByteIsDetectedByTheChecksum) {
   }
   swap.read(good, 0, back.data(), back.size()).get();  // the neighbour is intact
   EXPECT_EQ(back, data);
+}
+
+TEST_P(SwapSpaceTest, SmallExtentsShareStripesAndKeepTheirChecksums) {
+  // Note [Small extents]: 64 KiB stripes over two files. Sixteen 4 KiB extents take one
+  // stripe, not sixteen; a 20 KiB one takes 32 KiB inside one stripe; a stripe-sized one still
+  // starts on a stripe boundary.
+  auto io = engine();
+  SwapSpace swap(options({a_.path(), b_.path()}, 8 * MiB, 64 * KiB), *io);
+  std::vector<ExtentId> small;
+  std::vector<std::vector<unsigned char>> data;
+  for (unsigned i = 0; i < 16; ++i) {
+    data.push_back(pattern(i == 0 ? 100 : 4 * KiB, 70 + i));  // the first not a page
+    small.push_back(swap.allocate(data.back().size()));
+  }
+  EXPECT_EQ(swap.stats().reserved_bytes, 64 * KiB);
+  const ExtentId mid = swap.allocate(20 * KiB);
+  const ExtentId big = swap.allocate(64 * KiB + 1);
+  EXPECT_EQ(swap.alignment_for(20 * KiB), 32 * KiB);
+  EXPECT_EQ(swap.alignment_for(64 * KiB + 1), 64 * KiB);
+  for (const ExtentId id : {mid, big}) {
+    const auto pieces = swap.pieces(id);
+    EXPECT_EQ(pieces.front().offset % (64 * KiB), 0u) << "extent " << id;
+  }
+  ASSERT_EQ(swap.pieces(mid).size(), 1u);  // inside one stripe: one piece
+  for (std::size_t i = 0; i < small.size(); ++i) {
+    const auto pieces = swap.pieces(small[i]);
+    ASSERT_EQ(pieces.size(), 1u);
+    EXPECT_EQ(pieces[0].offset / (64 * KiB), (pieces[0].offset + pieces[0].bytes - 1) / (64 * KiB));
+    swap.write(small[i], 0, data[i].data(), data[i].size()).get();
+  }
+  auto mid_data = pattern(20 * KiB, 9);
+  swap.write(mid, 0, mid_data.data(), mid_data.size()).get();
+  for (std::size_t i = 0; i < small.size(); ++i) {  // neighbours in one stripe stay apart
+    std::vector<unsigned char> back(data[i].size());
+    swap.read(small[i], 0, back.data(), back.size()).get();
+    ASSERT_EQ(back, data[i]) << "extent " << i;
+  }
+  // A flipped byte in a small extent is caught by its checksum; its stripe neighbour reads.
+  const ExtentPiece hit = swap.pieces(small[5])[0];
+  {
+    const int fd = ::open(hit.path.c_str(), O_RDWR);
+    ASSERT_GE(fd, 0);
+    unsigned char byte = 0;
+    ASSERT_EQ(::pread(fd, &byte, 1, static_cast<off_t>(hit.offset + 7)), 1);
+    byte ^= 0x10;
+    ASSERT_EQ(::pwrite(fd, &byte, 1, static_cast<off_t>(hit.offset + 7)), 1);
+    ::fsync(fd);
+    ::close(fd);
+  }
+  std::vector<unsigned char> back(4 * KiB);
+  try {
+    swap.read(small[5], 0, back.data(), back.size()).get();
+    FAIL() << "a corrupted small extent read as good";
+  } catch (const IoError& e) {
+    EXPECT_EQ(e.code(), Errc::corrupt_data);
+    EXPECT_EQ(e.offset(), hit.offset);
+  }
+  swap.read(small[6], 0, back.data(), back.size()).get();
+  EXPECT_EQ(back, data[6]);
+  for (const ExtentId id : small)
+    swap.release(id);
+  swap.release(mid);
+  swap.release(big);
+  EXPECT_EQ(swap.stats().current_bytes, 0u);
 }
 
 TEST_P(SwapSpaceTest, AFailedWriteReportsAndMarksTheExtentTorn) {

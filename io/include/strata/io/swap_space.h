@@ -13,11 +13,11 @@
 #include <vector>
 
 #include "strata/base/ids.h"
+#include "strata/base/tunables.h"
 #include "strata/io/file.h"
 #include "strata/io/io_engine.h"
 #include "strata/io/pages.h"
 #include "strata/io/range_allocator.h"
-#include "strata/base/tunables.h"
 
 namespace strata {
 
@@ -33,7 +33,6 @@ struct SwapOptions {
   void validate() const;
 };
 
-
 /// One contiguous piece of an extent inside one file.
 struct ExtentPiece {
   std::string path;
@@ -47,6 +46,8 @@ struct ExtentPiece {
 ///   small for the capacity, is an error naming the path.
 /// - allocate() gives an extent of stripe-aligned logical space (RangeAllocator, best fit); its
 ///   bytes are striped over the paths in `stripe_bytes` units, so N drives give N drives' rate.
+///   One smaller than a stripe unit lies inside one, aligned to the smallest power of two that
+///   holds it (Note [Small extents]): small extents share stripes.
 ///   No room is an OutOfMemoryError for tier "Nvme".
 /// - map_file() makes a read-only extent of an existing file at any offset; it is read as its
 ///   page-aligned superset with O_DIRECT and handed over at the right offset. It is never
@@ -68,6 +69,8 @@ class SwapSpace {
   ~SwapSpace();
 
   ExtentId allocate(std::uint64_t bytes);
+  /// The logical alignment allocate() gives an extent of `bytes` (Note [Small extents]).
+  [[nodiscard]] std::uint64_t alignment_for(std::uint64_t bytes) const noexcept;
   /// A read-only extent: `bytes` at `offset` of the file at `path`.
   ExtentId map_file(const std::string& path, std::uint64_t offset, std::uint64_t bytes);
   /// Frees a swap extent's space, or forgets a mapped one. No I/O on it may be pending.
