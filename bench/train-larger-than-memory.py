@@ -121,11 +121,15 @@ def fio_reader(directory: str) -> list[str] | None:
     path = str(Path(directory) / "fio-read.bin")
     base = ["fio", "--name=r", f"--filename={path}", "--size=1g", "--bs=1m", "--direct=1"]
     subprocess.run([*base, "--rw=write"], capture_output=True, check=True)  # laid out once
+    # --thread: the job runs as a thread of the fio process that is killed. A forked job is a
+    # session of its own (setsid): killing fio's process group left it reading the disk for the
+    # rest of its hour, under every later run of this bench.
     return [
         *base,
         "--rw=read",
         "--iodepth=8",
         "--ioengine=io_uring",
+        "--thread",
         "--time_based",
         "--runtime=3600",
     ]
@@ -179,7 +183,7 @@ def main() -> None:
             for k in ("dir", "layers", "hidden", "vocab", "batch", "seq", "steps", "threads"):
                 cmd += [f"--{k}", str(getattr(args, k))]
             fio = None
-            if kind == "memory-io":  # its own group: fio forks its job, killed with it
+            if kind == "memory-io":  # its own group, its job a thread (fio_reader): killed whole
                 fio = subprocess.Popen(reader, stdout=subprocess.DEVNULL, start_new_session=True)
             try:
                 out = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -187,6 +191,13 @@ def main() -> None:
                 if fio is not None:
                     os.killpg(fio.pid, signal.SIGKILL)
                     fio.wait()
+                    left = subprocess.run(
+                        ["pgrep", "-f", "fio-read.bin"], capture_output=True, check=False
+                    )
+                    if left.stdout:
+                        raise SystemExit(
+                            "the fio reader outlived its kill: it would race later runs"
+                        )
             if out.returncode != 0:
                 raise SystemExit(f"{kind} {ratio}x failed:\n{out.stderr[-3000:]}")
             name = f"{kind}{'' if ratio == 0 else f'-{ratio}x'}"
