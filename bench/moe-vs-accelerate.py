@@ -20,7 +20,7 @@ the pre-gating guess accuracy. Prints one JSON object: per-framework medians, st
 accelerate, and the bytes a decode token read against the least it must (the dense part and
 top_k experts per layer).
 
-Note [Ratios by round]: this VM's disk drifts (fio read 1.3 to 2.0 GB/s within one run of this
+Note [Ratios by round]: this VM's disk drifts (fio read 1.2 to 2.2 GB/s within one run of this
 bench), and a cold token is bound by it. Each round runs the kinds back to back (in alternating
 order) after one fio measure of its own; `speedup_by_round` is strata over accelerate within each
 round and `speedup_median_of_rounds` their median, the figure the drift moves least (the

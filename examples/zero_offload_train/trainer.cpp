@@ -443,8 +443,9 @@ TrainResult train_offloaded(const TrainConfig& c, const Shape& s) {
           (static_cast<std::size_t>(s.layers) * (18 * chunks_per_layer + 3 * groups) + 8));
   if (c.offload == Offload::Nvme) {
     o.nvme.paths = {dir};
-    // Every NVMe extent starts on a stripe: stripes of one I/O block, so that small
-    // sub-groups waste little, and room for each tensor's extent rounded up to them.
+    // Stripes of one I/O block, and room for each tensor's extent rounded up to them: an
+    // extent of a stripe or more starts on one, a smaller one shares one (Note [Small
+    // extents]), so that bounds what the extents take.
     o.io.block_size = budgets.staging / 4;
     o.nvme.stripe_bytes = o.io.block_size;
     std::uint64_t extents = 0;

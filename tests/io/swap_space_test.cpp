@@ -164,6 +164,17 @@ TEST_P(SwapSpaceTest, SmallExtentsShareStripesAndKeepTheirChecksums) {
     EXPECT_EQ(pieces.front().offset % (64 * KiB), 0u) << "extent " << id;
   }
   ASSERT_EQ(swap.pieces(mid).size(), 1u);  // inside one stripe: one piece
+  // A 20 KiB extent after thirteen 4 KiB ones in a fresh stripe: page-aligned it would start at
+  // 52 KiB and cross into the next stripe; it starts on a 32 KiB boundary instead.
+  std::vector<ExtentId> thirteen;
+  for (int i = 0; i < 13; ++i)
+    thirteen.push_back(swap.allocate(4 * KiB));
+  const ExtentId after = swap.allocate(20 * KiB);
+  ASSERT_EQ(swap.pieces(after).size(), 1u);
+  EXPECT_EQ(swap.pieces(after)[0].offset % (32 * KiB), 0u);
+  for (const ExtentId id : thirteen)
+    swap.release(id);
+  swap.release(after);
   for (std::size_t i = 0; i < small.size(); ++i) {
     const auto pieces = swap.pieces(small[i]);
     ASSERT_EQ(pieces.size(), 1u);

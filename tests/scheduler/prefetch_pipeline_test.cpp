@@ -143,10 +143,11 @@ TEST_F(PrefetchPipelineTest, WithoutLookaheadAcrossIterationsAPassEndsDrainedAnd
 TEST_F(PrefetchPipelineTest, AReserveIsRoomTheWindowsLeaveToWhatTheStepsLease) {
   // 16 layers of 128 KiB; the 512 KiB device holds four, the 1 MiB host tier eight. With half
   // of each reserved, each window holds two (the running layer and the next); the room left is
-  // what a step leases beside its layer (an expert cache): here a 256 KiB device tensor leased
-  // inside every step, which then never has to push a prefetched layer out.
+  // what a step leases beside its layer (an expert cache): here a 128 KiB device tensor leased
+  // inside every step (half the reserve: the pool's free room need not be one block), which
+  // then never pushes a prefetched layer out.
   make(16);
-  const TensorId other = rt_->create_tensor(desc("other", 256 * KiB), Tier::Host, nullptr);
+  const TensorId other = rt_->create_tensor(desc("other", 128 * KiB), Tier::Host, nullptr);
   PipelineOptions o;
   o.device_reserve_bytes = 256 * KiB;
   o.host_reserve_bytes = rt_->tier_stats(Tier::Host).capacity_bytes / 2;
@@ -156,6 +157,7 @@ TEST_F(PrefetchPipelineTest, AReserveIsRoomTheWindowsLeaveToWhatTheStepsLease) {
     for (int it = 0; it < 3; ++it) {
       p.begin_iteration();
       for (std::size_t s = 0; s < layers_.size(); ++s) {
+        p.drain();  // the planner has issued this step's layer, whatever the threads' timing
         StepLeases in = p.begin_step("layer" + std::to_string(s), {{layers_[s], Access::Read}});
         ASSERT_EQ(leased_bytes(in[0]), data_[s]) << "step " << s;
         { Lease beside = rt_->acquire(other, Tier::Device, Access::Read).get(); }
@@ -169,6 +171,9 @@ TEST_F(PrefetchPipelineTest, AReserveIsRoomTheWindowsLeaveToWhatTheStepsLease) {
     EXPECT_LE(s.max_host_window_bytes, o.host_reserve_bytes);
     EXPECT_LE(rt_->tier_stats(Tier::Device).peak_bytes, rt_->backend().info().budget_bytes);
     EXPECT_EQ(s.prefetch_failures, 0u);
+    // The lease beside each step fit the room reserved: it pushed no prefetched layer out, so
+    // every step found its layer there or on its way.
+    EXPECT_EQ(s.ready_at_begin, s.inputs);
   }  // one pipeline drives a runtime at a time
   // Reserving all of the device leaves no window: nothing is prefetched to it.
   o.device_reserve_bytes = rt_->backend().info().budget_bytes;

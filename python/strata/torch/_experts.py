@@ -48,7 +48,7 @@ from ._runtimes import consumer_done
 
 # Note [An expert in one piece]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# safetensors writes a file's tensors in the order of their names, so expert i's per-expert
+# safetensors writes a file's tensors by dtype, then name, so expert i's per-expert
 # tensors usually lie back to back (Qwen's experts.{i}.down_proj, gate_proj, up_proj: 3 MiB in
 # one run). Those runs are mapped as one strata tensor each (same file, same dtype, full width,
 # each tensor starting where the one before ends): one lease and one read instead of three, and
@@ -305,10 +305,11 @@ def build_experts(
     runtime: Runtime,
     owned: list[Tensor],
     dtype: torch.dtype | None,
-    compressed: set[int] = frozenset(),  # type: ignore[assignment]
+    runs: Runs | None = None,
 ) -> ExpertLayer:
     """The ExpertLayer of the experts module `name` (Note [Leased experts]): each expert's
-    slices found in (or built from) the checkpoint `tensors`. A missing expert tensor is a
+    slices found in (or built from) the checkpoint `tensors`, back-to-back parts joined by
+    `runs` (Note [An expert in one piece]; None: never joined). A missing expert tensor is a
     NotFoundError naming its key; a slice of the wrong shape an InvalidArgumentError."""
     n = int(module.num_experts)
     slices: list[dict[str, _Slice]] = [{} for _ in range(n)]
@@ -357,16 +358,19 @@ def build_experts(
         for attr, s in slices[e].items():
             got = list(s.parts[0].shape)
             got[s.dim] = sum(t.shape[s.dim] for t in s.parts)
-            if tuple(got) != s.shape:
+            # every part, not only the first, has the slice's other dimensions (a view of a
+            # run would otherwise reinterpret bytes a join along `dim` would have refused)
+            others = {tuple(d for i, d in enumerate(t.shape) if i != s.dim) for t in s.parts}
+            if tuple(got) != s.shape or len(others) != 1:
                 raise InvalidArgumentError(
                     f"expert {e} of {name!r}: {attr} from {[t.tensor.name for t in s.parts]} "
                     f"has shape {tuple(got)}, the module's slice {s.shape}"
                 )
             file_dtype = torch_dtype(s.parts[0].tensor.dtype)
             s.dtype = dtype if (dtype is not None and file_dtype.is_floating_point) else file_dtype
-    runs = _Runs(tensors, runtime, owned, compressed)
-    for e in range(n):
-        runs.join(slices[e])
+    if runs is not None:
+        for e in range(n):
+            runs.join(slices[e])
     experts = [Expert(index, e, slices[e]) for e in range(n)]
     top_k = _top_k(module)
     return ExpertLayer(name, module, index, experts, top_k)
@@ -376,9 +380,11 @@ def _whole(t: Tensor) -> _Part:
     return _Part(t, 0, tuple(t.shape))
 
 
-class _Runs:
+class Runs:
     """Maps the back-to-back runs of an expert's checkpoint tensors as one tensor each (Note
-    [An expert in one piece]); reads each file's header once."""
+    [An expert in one piece]). Made once for a model from the tensors map_checkpoint mapped
+    in place (not converted or compressed ones: their bytes are not the file's), each file's
+    header read once."""
 
     def __init__(
         self,
@@ -400,7 +406,7 @@ class _Runs:
             if m.path not in headers:
                 try:
                     headers[m.path] = _read_header(m.path)
-                except (OSError, ValueError):
+                except (OSError, ValueError, TypeError):  # not a file's: never joined
                     headers[m.path] = ({}, 0)
             header, data_start = headers[m.path]
             entry = header.get(t.name)
@@ -697,13 +703,12 @@ class ExpertCache:
     ) -> None:
         """Starts moving `expert` to where it runs unless it is there (or on the device); `on`:
         whether it is on the device and on the host tier, when the caller just asked."""
-        on_device, on_host = on if on is not None else (self._resident(expert, Tier.DEVICE), None)
+        on_device = on[0] if on is not None else self._resident(expert, Tier.DEVICE)
         if on_device:
             return
         tier = self._fetch_tier(expert)
-        if tier is Tier.HOST and (
-            on_host if on_host is not None else self._resident(expert, Tier.HOST)
-        ):
+        # Asked again: bringing the experts before it may have evicted it since `on` was taken.
+        if tier is Tier.HOST and (on is None or on[1]) and self._resident(expert, Tier.HOST):
             return
         for t in expert.tensors:
             self.runtime.prefetch(t, tier)

@@ -16,6 +16,7 @@ from .._core import Access, Tier
 from .._errors import Error, InvalidArgumentError, OutOfMemoryError, UnsupportedError
 from .._pipeline import PrefetchPipeline
 from .._runtime import Runtime, Tensor
+from ._dtypes import STRATA_DTYPES
 from ._runtimes import Budget, consumer_done, has_nvme_tier, in_pages, make_runtime
 
 # Note [KV pages]
@@ -62,7 +63,8 @@ def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+# the floating dtypes a page may hold, by their strata names
+_DTYPE_NAMES = {t: STRATA_DTYPES[t] for t in (torch.float32, torch.float16, torch.bfloat16)}
 
 
 def _stored_bytes(page: Tensor, packed: bool, group: int) -> int:
@@ -484,7 +486,9 @@ class KVCache(Cache):
                 host_budget if host_budget is not None else "4GiB",
                 nvme_dir,
                 nvme_capacity,
-                stripe="256KiB",  # an NVMe extent starts on a stripe: a page wastes less
+                # pages of up to 256 KiB are one stripe piece each, read by one request (a
+                # smaller page shares its stripe: Note [Small extents] in io/src/swap_space.cpp)
+                stripe="256KiB",
             )
         self.runtime = runtime
         self.home = Tier.NVME if has_nvme_tier(runtime) else Tier.HOST

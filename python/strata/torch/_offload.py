@@ -26,7 +26,7 @@ from .._runtime import Lease, Runtime, Tensor
 from ._checkpoint import Checkpoint, MappedTensor, checkpoint_files, map_checkpoint
 from ._compress import Rule, compress_checkpoint
 from ._dtypes import torch_dtype
-from ._experts import ExpertCache, ExpertLayer, build_experts, find_experts, find_router
+from ._experts import ExpertCache, ExpertLayer, Runs, build_experts, find_experts, find_router
 from ._keys import KeyMap, checkpoint_keys
 from ._runtimes import Budget, consumer_done, make_runtime
 
@@ -477,6 +477,8 @@ def offload(
         owned = [m.tensor for m in tensors.values()]
         compressed = {m.tensor.id for n, m in tensors.items() if full_width.get(n) != m.tensor.id}
     try:
+        # Note [An expert in one piece]: runs only of the tensors mapped in place
+        runs = Runs(tensors, runtime, owned, compressed) if expert_modules else None
         tensors = {
             **tensors,
             **_build_conversions(module, keys, tensors, runtime, owned, expert_names),
@@ -492,7 +494,7 @@ def offload(
                 runtime,
                 owned,
                 dtype,
-                compressed,
+                runs,
             )
             for i, (name, m) in enumerate(expert_modules)
         ]

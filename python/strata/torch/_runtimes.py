@@ -27,6 +27,17 @@ def in_pages(nbytes: int) -> int:
     return -(-nbytes // PAGE_BYTES) * PAGE_BYTES
 
 
+# The NVMe stripe of the optimizers' and training's runtimes. on_stripes bounds what a tensor
+# takes of the swap: an extent of a stripe or more starts on one; a smaller one shares a stripe
+# (Note [Small extents] in io/src/swap_space.cpp), so the bound is loose for biases and norms.
+STATE_STRIPE = 256 << 10
+
+
+def on_stripes(nbytes: int) -> int:
+    """`nbytes` rounded up to whole STATE_STRIPEs: at most what an extent takes of the swap."""
+    return -(-nbytes // STATE_STRIPE) * STATE_STRIPE
+
+
 # Note [Consumers' kernels]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~
 # A lease's bytes may be given to another tensor as soon as the lease is released, and the
@@ -90,7 +101,7 @@ def make_runtime(
     """A Runtime for `device`: the host backend for "cpu" (the device tier is a CPU arena of
     `device_budget`), the CUDA backend for "cuda"/"cuda:N". `nvme_dir`, when given, holds
     `nvme_capacity` of swap space for tensors that are written (mapped weights never are),
-    each starting on a `stripe` (the runtime's default when None); without it a 4 MiB swap
+    striped in `stripe` units (the runtime's default when None); without it a 4 MiB swap
     lives in a private temporary directory."""
     dev = torch.device(device)
     config: dict[str, Any] = {

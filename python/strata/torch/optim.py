@@ -34,15 +34,9 @@ from .._errors import InvalidArgumentError, NotFoundError, OutOfMemoryError
 from .._pipeline import PrefetchPipeline
 from .._runtime import Runtime, Tensor
 from . import _threads
-from ._runtimes import in_pages, runtime_with_nvme
+from ._runtimes import STATE_STRIPE, in_pages, on_stripes, runtime_with_nvme
 
 _OFFLOAD = {"host": Tier.HOST, "nvme": Tier.NVME}
-# NVMe extents start on a stripe: small states (biases, norms) waste less with a small one.
-_STRIPE = 256 << 10
-
-
-def _on_stripes(nbytes: int) -> int:
-    return (nbytes + _STRIPE - 1) // _STRIPE * _STRIPE
 
 
 # Note [Where the master weights live]
@@ -115,9 +109,9 @@ def _runtime(
         raise InvalidArgumentError('offload="nvme" needs nvme_dir (a directory on the drive)')
     if not os.path.isdir(nvme_dir):
         raise NotFoundError(f"nvme_dir {os.fspath(nvme_dir)!r}: no such directory")
-    if nvme_capacity is None:  # the states: each of them starts on a stripe
+    if nvme_capacity is None:  # the states, each at most on_stripes of its bytes
         nvme_capacity = param_bytes + (16 << 20)
-    return runtime_with_nvme(config, nvme_dir, nvme_capacity, _STRIPE)
+    return runtime_with_nvme(config, nvme_dir, nvme_capacity, STATE_STRIPE)
 
 
 def _grad_ready(ref: weakref.ReferenceType, p: torch.nn.Parameter) -> None:
@@ -192,10 +186,10 @@ class _StrataAdam(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self.last_grad_norm: float | None = None  # before clipping, when max_grad_norm is set
         self._home = _OFFLOAD[offload]
-        # NVMe room for the states: each piece starts on a stripe (pieces of 256 Ki elements
-        # or more waste at most a quarter; pass nvme_capacity for smaller ones).
+        # NVMe room for the states: each piece takes at most its bytes in whole stripes (a
+        # smaller one shares a stripe: Note [Small extents]), so this bounds what they need.
         param_bytes = sum(
-            3 * (_on_stripes(4 * p.numel()) + _STRIPE * (p.numel() // (1 << 18)))
+            3 * (on_stripes(4 * p.numel()) + STATE_STRIPE * (p.numel() // (1 << 18)))
             for g in self.param_groups
             for p in g["params"]
         )
@@ -209,7 +203,7 @@ class _StrataAdam(torch.optim.Optimizer):
                 params = [p for g in self.param_groups for p in g["params"]]
                 elements = sum(p.numel() for p in params) // world + len(params)
                 pieces = 2 * len(params) + elements // bucket_size + elements // (1 << 18) + 1
-                param_bytes = 12 * elements + _STRIPE * pieces
+                param_bytes = 12 * elements + STATE_STRIPE * pieces
         self.runtime = runtime or _runtime(
             offload, host_budget, nvme_dir, nvme_capacity, param_bytes
         )

@@ -48,7 +48,7 @@ from . import _threads
 from ._activations import ActivationOffload
 from ._activations import _bytes as _min_bytes
 from ._offload import _placeholder, find_blocks
-from ._runtimes import Budget, consumer_done, in_pages, make_runtime
+from ._runtimes import STATE_STRIPE, Budget, consumer_done, in_pages, make_runtime, on_stripes
 
 __all__ = ["TrainOptimizer", "load_checkpoint", "offload", "parameters", "save_checkpoint"]
 
@@ -133,9 +133,6 @@ class _Piece(NamedTuple):
     acc: Tensor
     lo: int
     hi: int
-
-
-_STRIPE = 256 << 10
 
 
 @dataclass
@@ -1005,10 +1002,6 @@ def _write_work(rt: Runtime, p: _Param, value: torch.Tensor) -> None:
 # -- offload --
 
 
-def _on_stripes(nbytes: int) -> int:
-    return -(-nbytes // _STRIPE) * _STRIPE
-
-
 def _piece_bounds(n: int, size: int) -> list[tuple[int, int]]:
     return [(lo, min(n, lo + size)) for lo in range(0, max(n, 1), size)]
 
@@ -1094,18 +1087,18 @@ def offload(
     trainable_elems = sum(prm.numel() for _, prm, _ in unique.values() if prm.requires_grad)
     work_bytes = sum(prm.numel() * work_dtype[id(prm)].itemsize for _, prm, _ in unique.values())
     state_bytes = 4 * _PIECE_ROWS * trainable_elems
-    if nvme_capacity is None and nvme_dir is not None:  # each tensor starts on a stripe
-        nvme_capacity = _STRIPE  # and a stripe of slack
+    if nvme_capacity is None and nvme_dir is not None:  # each tensor: at most on_stripes
+        nvme_capacity = STATE_STRIPE  # and a stripe of slack
         for _, prm, _ in unique.values():
-            nvme_capacity += _on_stripes(prm.numel() * work_dtype[id(prm)].itemsize)
+            nvme_capacity += on_stripes(prm.numel() * work_dtype[id(prm)].itemsize)
             if prm.requires_grad:
                 for lo, hi in _piece_bounds(prm.numel(), sub_group_size or prm.numel()):
-                    nvme_capacity += _on_stripes(12 * (hi - lo)) + _on_stripes(4 * (hi - lo))
+                    nvme_capacity += on_stripes(12 * (hi - lo)) + on_stripes(4 * (hi - lo))
         if sub_group_size is None:  # pieces not known yet: 2 stripes more for each 64 Ki elements
-            nvme_capacity += 2 * _STRIPE * (trainable_elems // (1 << 16) + len(unique))
+            nvme_capacity += 2 * STATE_STRIPE * (trainable_elems // (1 << 16) + len(unique))
     if runtime is None:
         runtime = make_runtime(
-            dev, device_budget, host_budget, nvme_dir, nvme_capacity or "4MiB", stripe=_STRIPE
+            dev, device_budget, host_budget, nvme_dir, nvme_capacity or "4MiB", stripe=STATE_STRIPE
         )
     host_cap = runtime.stats()["tiers"]["Host"]["capacity_bytes"]
     dev_cap = runtime.stats()["tiers"]["Device"]["capacity_bytes"]

@@ -44,7 +44,7 @@ struct ExtentPiece {
 /// - Swap files are created and preallocated (fallocate) at construction, one per path, and
 ///   removed at destruction unless keep_files. A missing or read-only directory, or a disk too
 ///   small for the capacity, is an error naming the path.
-/// - allocate() gives an extent of stripe-aligned logical space (RangeAllocator, best fit); its
+/// - allocate() gives an extent of logical space (RangeAllocator, best fit), stripe-aligned; its
 ///   bytes are striped over the paths in `stripe_bytes` units, so N drives give N drives' rate.
 ///   One smaller than a stripe unit lies inside one, aligned to the smallest power of two that
 ///   holds it (Note [Small extents]): small extents share stripes.
