@@ -222,10 +222,11 @@ class MemoryLimit:
             pass
 
 
-def run_json_child(cmd: list[str], limit: int | None, name: str) -> dict | None:
+def run_json_child(cmd: list[str], limit: int | None, name: str) -> tuple[dict | None, int | None]:
     """Runs `cmd` (a child printing its result as JSON on its last line), inside a memory cgroup
-    of `limit` bytes when one is given; its result, or None when the limit killed it. Another
-    failure exits naming `name` with the child's stderr."""
+    of `limit` bytes when one is given. Returns its result (None when the limit killed it) and
+    the cgroup's peak use, page cache included (None without a limit). Another failure exits
+    naming `name` with the child's stderr."""
     lim = MemoryLimit(limit, name) if limit else None
     try:
         out = subprocess.run(
@@ -235,11 +236,12 @@ def run_json_child(cmd: list[str], limit: int | None, name: str) -> dict | None:
             check=False,
             preexec_fn=lim.preexec if lim else None,
         )
+        peak = lim.peak_bytes() if lim else None
     finally:
         if lim:
             lim.close()
     if lim and out.returncode == -9:
-        return None
+        return None, peak
     if out.returncode != 0:
         raise SystemExit(f"{name} failed:\n{out.stderr[-4000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1]), peak

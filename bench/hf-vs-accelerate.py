@@ -50,6 +50,7 @@ from _pybench import (
     drop_page_cache,
     os_read_bytes,
     reset_peak_rss,
+    run_json_child,
     status_bytes,
 )
 
@@ -235,25 +236,10 @@ def run_child(
         "--device",
         args.device,
     ]
-    limit = MemoryLimit(limit_bytes, kind) if limit_bytes else None
-    try:
-        out = subprocess.run(
-            cmd,
-            check=False,
-            capture_output=True,
-            text=True,
-            preexec_fn=limit.preexec if limit else None,
-        )
-        peak = limit.peak_bytes() if limit else None
-    finally:
-        if limit:
-            limit.close()
-    if limit and out.returncode == -9:
+    result, peak = run_json_child(cmd, limit_bytes, kind)
+    if result is None:
         return {"framework": kind, "oom": True, "cgroup_peak_bytes": peak}
-    if out.returncode != 0:
-        raise SystemExit(f"{kind} failed:\n{out.stderr[-4000:]}")
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    if limit:
+    if peak is not None:
         result["cgroup_peak_bytes"] = peak
     return result
 

@@ -196,7 +196,7 @@ def run_child(kind: str, context: int, args: argparse.Namespace, limit: int | No
     ):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     cmd += ["--contexts", *map(str, args.contexts)]
-    result = run_json_child(cmd, limit, f"{kind} at {context}")
+    result, _ = run_json_child(cmd, limit, f"{kind} at {context}")
     return {"kind": kind, "context": context, "oom": True} if result is None else result
 
 

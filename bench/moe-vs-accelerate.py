@@ -219,7 +219,7 @@ def run_child(kind: str, args: argparse.Namespace, checkpoint: Path, limit: int 
         "whole_device_budget",
     ):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
-    result = run_json_child(cmd, limit, kind)
+    result, _ = run_json_child(cmd, limit, kind)
     return {"framework": kind, "oom": True} if result is None else result
 
 
