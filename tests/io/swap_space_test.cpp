@@ -18,6 +18,18 @@
 namespace strata::testing {
 namespace {
 
+// Flips the `mask` bits of the byte at `offset` of the file `path`, on disk (a corrupt piece).
+void flip_bits(const std::string& path, std::uint64_t offset, unsigned char mask) {
+  const int fd = ::open(path.c_str(), O_RDWR);
+  ASSERT_GE(fd, 0) << path;
+  unsigned char byte = 0;
+  ASSERT_EQ(::pread(fd, &byte, 1, static_cast<off_t>(offset)), 1);
+  byte ^= mask;
+  ASSERT_EQ(::pwrite(fd, &byte, 1, static_cast<off_t>(offset)), 1);
+  ::fsync(fd);
+  ::close(fd);
+}
+
 class SwapSpaceTest : public ::testing::TestWithParam<EngineKind> {
  protected:
   std::unique_ptr<IoEngine> engine(std::vector<FaultSpec> faults = {}) {
@@ -117,16 +129,7 @@ TEST_P(SwapSpaceTest, AFlippedByteIsDetectedByTheChecksum) {
   swap.write(bad, 0, data.data(), data.size()).get();
   const auto pieces = swap.pieces(bad);
   const ExtentPiece& hit = pieces[1];
-  {
-    const int fd = ::open(hit.path.c_str(), O_RDWR);
-    ASSERT_GE(fd, 0);
-    unsigned char byte = 0;
-    ASSERT_EQ(::pread(fd, &byte, 1, static_cast<off_t>(hit.offset + 10)), 1);
-    byte ^= 0x40;
-    ASSERT_EQ(::pwrite(fd, &byte, 1, static_cast<off_t>(hit.offset + 10)), 1);
-    ::fsync(fd);
-    ::close(fd);
-  }
+  ASSERT_NO_FATAL_FAILURE(flip_bits(hit.path, hit.offset + 10, 0x40));
   std::vector<unsigned char> back(data.size());
   try {
     swap.read(bad, 0, back.data(), back.size()).get();
@@ -190,16 +193,7 @@ TEST_P(SwapSpaceTest, SmallExtentsShareStripesAndKeepTheirChecksums) {
   }
   // A flipped byte in a small extent is caught by its checksum; its stripe neighbour reads.
   const ExtentPiece hit = swap.pieces(small[5])[0];
-  {
-    const int fd = ::open(hit.path.c_str(), O_RDWR);
-    ASSERT_GE(fd, 0);
-    unsigned char byte = 0;
-    ASSERT_EQ(::pread(fd, &byte, 1, static_cast<off_t>(hit.offset + 7)), 1);
-    byte ^= 0x10;
-    ASSERT_EQ(::pwrite(fd, &byte, 1, static_cast<off_t>(hit.offset + 7)), 1);
-    ::fsync(fd);
-    ::close(fd);
-  }
+  ASSERT_NO_FATAL_FAILURE(flip_bits(hit.path, hit.offset + 7, 0x10));
   std::vector<unsigned char> back(4 * KiB);
   try {
     swap.read(small[5], 0, back.data(), back.size()).get();
