@@ -10,7 +10,8 @@ inside one memory cgroup of the same limit: strata's budgets, plus the fixed ove
 needs (the libraries and the model: the RSS of a child that builds the model and stops), plus one
 layer's keys and values at the context's length twice over (the tensors attention reads, which
 DynamicCache's concatenation also makes), plus 64 MiB. A child the limit kills is reported
-"oom": it could not run in that memory.
+"oom": it could not run in that memory; where DynamicCache is, it runs again without the limit
+("dynamic_without_limit": what the in-memory cache does with all the memory it needs).
 
 The context is filled with the same random keys and values for every cache (Cache.update with the
 whole context, layer by layer: what a prefill leaves, without a prefill's compute, which on two
@@ -135,6 +136,7 @@ def child(args: argparse.Namespace) -> dict:
             out["nvme_bytes_written"] = s["nvme_bytes_written"]  # the fill's and decode's
             out["nvme_bytes_read_per_token"] = int(statistics.median(reads[2:] or reads))
             out["nvme_bytes_read_first_tokens"] = reads[:2]
+            out["prefetch_hit_rate"] = round(s["prefetch_hits"] / max(1, s["pages_moved"]), 3)
         return out
 
 
@@ -218,7 +220,7 @@ def summary(runs: list[dict], args: argparse.Namespace) -> dict:
         "fill_s": round(statistics.median(r["fill_s"] for r in runs), 3),
         "peak_rss_bytes": max(r["peak_rss_bytes"] for r in runs),
     }
-    for k in ("nvme_bytes_read_per_token", "nvme_bytes_written", "cache"):
+    for k in ("nvme_bytes_read_per_token", "nvme_bytes_written", "prefetch_hit_rate", "cache"):
         if k in runs[-1]:
             out[k] = runs[-1][k]
     return out
@@ -288,14 +290,24 @@ def main() -> None:
         for r in range(args.rounds):
             for kind in kinds if r % 2 == 0 else kinds[::-1]:
                 runs[kind].append(run_child(kind, context, args, limit))
+                if kind == "dynamic" and runs[kind][-1].get("oom"):
+                    # What the in-memory cache does with the memory it needs: the reference the
+                    # goal "within 1.3x of the in-memory cache" is measured against.
+                    unlimited = runs.setdefault("dynamic_without_limit", [])
+                    unlimited.append(run_child(kind, context, args, None))
                 print(f"context {context} round {r}: {kind} done", file=sys.stderr)
         row: dict = {
             "kv_bytes": per_token * context,
             "memory_limit_bytes": limit,
             "transient_bytes": transient,
         }
-        for kind in kinds:
-            row[kind] = summary(runs[kind], args)
+        for kind, kind_runs in runs.items():
+            row[kind] = summary(kind_runs, args)
+        u = row.get("dynamic_without_limit")
+        if u and not row.get("strata", {"oom": True}).get("oom"):
+            row["strata_over_dynamic_without_limit_s_per_token"] = round(
+                row["strata"]["decode_s_per_token"] / u["decode_s_per_token"], 3
+            )
         s, d = row.get("strata", {"oom": True}), row.get("dynamic", {"oom": True})
         if not s.get("oom") and not d.get("oom"):
             row["strata_over_dynamic_s_per_token"] = round(

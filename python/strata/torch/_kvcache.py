@@ -34,10 +34,12 @@ from ._runtimes import Budget, consumer_done, has_nvme_tier, in_pages, make_runt
 # leased.
 #
 # update() for a layer leases its closed pages one after another, the next ones already on their
-# way (acquire_async: 2 to 8 of them, as many as an eighth of the smaller tier holds, so that NVMe
-# sees a queue of large reads), copies each into the keys and values that attention reads, then
-# appends the new tokens to the open page (and to new pages when they overflow it), and ends by
-# prefetching the first pages of the next layer (of layer 0 after the last: the next token's).
+# way (acquire_async: `depth` pages that must move, 2 to 64 of them, as many as an eighth of the
+# tiers they pass through holds, so that NVMe sees a queue of large reads), copies each into the
+# keys and values that attention reads, then appends the new tokens to the open page (and to new
+# pages when they overflow it), and ends by prefetching the next layer's first `depth` pages that
+# must move (of layer 0 after the last: the next token's), which NVMe reads while this layer
+# attends (Note [Streamed pages]).
 # The keys and values handed to attention are transient tensors of one layer, as DynamicCache's
 # concatenation makes them; nothing of the cache stays outside the runtime between updates.
 #
@@ -53,7 +55,7 @@ from ._runtimes import Budget, consumer_done, has_nvme_tier, in_pages, make_runt
 # same step may be tried again (Note [A failed step]).
 
 _DEPTH = 2  # closed pages on their way while one is copied, at least
-_MAX_DEPTH = 8  # and at most
+_MAX_DEPTH = 64  # and at most (Note [Streamed pages])
 # Pages a layer leases at once on its read tier, at least: the one copied and those on their way,
 # and on CUDA the one before, whose copies may still run (Note [Consumers' kernels]).
 _WORKING = _DEPTH + 1
@@ -122,7 +124,11 @@ class _PagedLayer(CacheLayerMixin):
         self.dtype = key_states.dtype
         c._check_room(self.batch_size, self.heads, self.head_dim, self.dtype)
         page = c.page_bytes(self.batch_size, self.heads, self.head_dim, self.dtype)
-        room = min(c._capacity["Device"] - c._model_block_bytes, c._capacity["Host"])
+        # Note [Streamed pages]: an eighth of the tiers a streamed page passes through; on the
+        # host backend a full-width page from NVMe stops at the host tier, where it is read.
+        room = c._capacity["Host"]
+        if c.compress is not None or not c._host_backend:
+            room = min(c._capacity["Device"] - c._model_block_bytes, room)
         self.depth = max(_DEPTH, min(_MAX_DEPTH, room // 8 // page))
         self.is_initialized = True
 
@@ -197,10 +203,33 @@ class _PagedLayer(CacheLayerMixin):
         p = self.page_tokens
         count = len(self.pages)
         futures: deque = deque()
+        later = 0  # the next page to lease
+        scan = 0  # the next closed page whose move may start before its lease
+        moving: deque = deque()  # pages after the one copied whose move has started, in order
 
-        def start(i: int) -> None:
-            tier, brought = c._read_tier(self, i)
-            futures.append((tier, brought, runtime.acquire_async(self.pages[i], tier)))
+        def lease_to(last: int) -> None:
+            """Leases the pages up to `last`, in order (`depth` ahead of the one copied)."""
+            nonlocal later
+            while later <= min(last, count - 1):
+                tier, brought = c._read_tier(self, later)
+                futures.append((tier, brought, runtime.acquire_async(self.pages[later], tier)))
+                if brought and later >= scan:  # its move starts now
+                    moving.append(later)
+                later += 1
+
+        def move_ahead() -> None:
+            """Starts the moves of the closed pages beyond the leased ones until `depth` moves
+            are under way (Note [Streamed pages]): pages already on their read tier neither
+            count nor are leased early, which would pin them."""
+            nonlocal scan
+            scan = max(scan, later)
+            while scan < count - 1 and len(moving) < depth:
+                started = c._start_move(self, scan)
+                if started is None:  # no room now: the page's lease brings it
+                    break
+                if started:
+                    moving.append(scan)
+                scan += 1
 
         # On CUDA a page's lease ends once its copies ran (Note [Consumers' kernels]): the event
         # after them is waited for one page later, when it has most likely passed.
@@ -219,13 +248,19 @@ class _PagedLayer(CacheLayerMixin):
         i = 0
         try:
             depth = self.depth
-            room = c._room(depth + 1, self)  # Note [Streamed pages]
-            for j in range(min(depth, count)):
-                start(j)
+            # Note [Streamed pages]: those a prefetch brought already hold their room.
+            pending = sum(1 for page in self.pages if page.id in c._prefetched)
+            room = c._room(max(0, depth + 1 - pending), self)
+            lease_to(depth - 1)
+            move_ahead()
             for i in range(count):
                 tier, brought, future = futures.popleft()
-                if i + depth < count:
-                    start(i + depth)
+                while moving and moving[0] <= i:
+                    moving.popleft()
+                if brought:
+                    c._arrivals[future.done()] += 1
+                lease_to(i + depth)
+                move_ahead()
                 lease = future.result()
                 page = self._view(lease)
                 n = min(p, self.tokens - i * p)
@@ -501,6 +536,8 @@ class KVCache(Cache):
         self._nvme_written = 0  # compressed pages made on NVMe (Note [KV pages])
         # Pages a prefetch brought, and from where (Note [Streamed pages]).
         self._prefetched: dict[int, bool | str] = {}
+        # Pages that moved for a read: [waited for, had arrived when their layer reached them].
+        self._arrivals = [0, 0]
         base = stats["transfers"]
         self._written0 = base["bytes_device_to_nvme"] + base["bytes_host_to_nvme"]
         self._step_tokens = 0
@@ -554,6 +591,17 @@ class KVCache(Cache):
     # tier's figures as the layer starts); else they leave after the use (dropped: clean, the copy
     # below is current). The pages a tier holds stay there and hit every step, and the rest stream
     # through the room the last streamed one left.
+    #
+    # That room is `depth` + 1 pages, and a layer's reads run `depth` moving pages ahead of its
+    # copies, the first of them started while the layer before attends. The depth trades pages
+    # held for overlap: each page of room is one more page read per step, and attention's time is
+    # the disk's to fill only if the reads in flight last that long. At 32k tokens on the 2-core
+    # VM (bench/kv-cache.py: 512 KiB pages, 128 MiB host tier) attention takes about 25 ms a
+    # layer, in which the disk reads 50 pages or more; depth 8 (the cap until 2026-12-07) left
+    # the disk idle for most of it: 0.72 s a step against 0.42 to 0.48 s at depths 24 to 96 in
+    # the same run, where depth 96 read 11% more bytes. An eighth of the host tier (32 pages
+    # there) reads 3% more than depth 8. Pages that had arrived when their layer reached them
+    # are stats()["prefetch_hits"] of "pages_moved".
     def _room(self, pages: int, layer: _PagedLayer) -> dict[Tier, int]:
         """Free bytes on the device and host tiers beyond `pages` of `layer`'s pages (the room
         streaming needs), now."""
@@ -594,14 +642,36 @@ class KVCache(Cache):
         brought: bool | str = "nvme" if not on_host else not there
         return tier, self._prefetched.pop(page.id, brought)
 
+    def _start_move(self, layer: _PagedLayer, i: int) -> bool | None:
+        """Starts bringing closed page i of `layer` to its read tier (a prefetch: no lease).
+        True when it is on its way (now or before), False when it is there already, None when
+        the tier has no room for it now (a hint: no error)."""
+        page = layer.pages[i]
+        if page.id in self._prefetched:
+            return True
+        tier, brought = self._read_tier(layer, i)
+        if not brought:
+            return False
+        try:
+            self.runtime.prefetch(page, tier)
+        except OutOfMemoryError:
+            if brought == "nvme":  # not read after all: counted when its lease reads it
+                self._nvme_read -= _stored_bytes(page, layer.packed[i], self._group(layer.head_dim))
+            return None
+        self._prefetched[page.id] = brought
+        return True
+
     def _prefetch_layer(self, layer: _PagedLayer) -> None:
-        for i in range(min(len(layer.pages) - 1, layer.depth)):  # closed pages
-            tier, brought = self._read_tier(layer, i)
-            if not brought:
-                continue
-            with contextlib.suppress(OutOfMemoryError):  # a hint: no room now is no error
-                self.runtime.prefetch(layer.pages[i], tier)
-                self._prefetched[layer.pages[i].id] = brought
+        """Starts the moves of the first `depth` closed pages of `layer` that are not on their
+        read tier (Note [Streamed pages]), while the layer before attends."""
+        started = 0
+        for i in range(len(layer.pages) - 1):  # closed pages
+            if started == layer.depth:
+                break
+            moved = self._start_move(layer, i)
+            if moved is None:
+                break
+            started += moved
 
     # -- the Cache API --
 
@@ -640,18 +710,24 @@ class KVCache(Cache):
     def stats(self) -> dict[str, Any]:
         """pages, tokens, page_bytes, bytes per tier (of the pages' copies there), stored_bytes
         (what the pages' host or NVMe copies hold: int8 codes for compressed ones),
-        nvme_bytes_read (pages brought from NVMe) and nvme_bytes_written (the runtime's writes
-        to NVMe since the cache began: on a shared runtime, inference writes nothing else)."""
+        nvme_bytes_read (pages brought from NVMe, counted as their move starts) and
+        nvme_bytes_written (the runtime's writes to NVMe since the cache began: on a shared
+        runtime, inference writes nothing else), bytes_on_the_way (pages a prefetch is bringing
+        up that no read has used yet), pages_moved (pages a read had to bring up) and
+        prefetch_hits (those of them that had arrived when their layer reached them)."""
         tiers = {"device": 0, "host": 0, "nvme": 0}
         pages = 0
         compressed = 0
         stored_bytes = 0
+        on_the_way = 0
         for layer in self.layers:
             for i, t in enumerate(layer.pages):
                 pages += 1
                 compressed += layer.packed[i]
                 stored = _stored_bytes(t, layer.packed[i], self._group(layer.head_dim))
                 stored_bytes += stored
+                if t.id in self._prefetched:
+                    on_the_way += stored
                 if self.runtime.resident(t, Tier.DEVICE):
                     tiers["device"] += t.nbytes
                 if self.runtime.resident(t, Tier.HOST):
@@ -675,6 +751,9 @@ class KVCache(Cache):
             "home": self.home.name.lower(),
             "nvme_bytes_read": self._nvme_read,
             "nvme_bytes_written": written,
+            "bytes_on_the_way": on_the_way,
+            "pages_moved": sum(self._arrivals),
+            "prefetch_hits": self._arrivals[1],
         }
 
     def close(self) -> None:
