@@ -71,7 +71,11 @@ def _keys_of(path):
 
 
 def _reference(path):
-    return transformers.AutoModelForCausalLM.from_pretrained(path).eval().to(DEVICE)
+    # strata computes a routed expert as transformers' eager experts implementation does (Note
+    # [Leased experts]); the default one (grouped matrix products, where torch has them) sums in
+    # another order. Models without experts ignore it.
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager")
+    return model.eval().to(DEVICE)
 
 
 def _runtime(budget, nvme_dir):

@@ -163,8 +163,9 @@ def _write(
         with open(tmp, "wb") as out, safe_open(str(source), framework="pt") as f:
             head = header_bytes()
             out.write(struct.pack("<Q", len(head)) + head)
+            present = set(f.keys())
             for n in names:
-                packed = quant.quantize(f.get_tensor(n), compress, group, name=n)
+                packed = quant.quantize(_source_tensor(f, n, present), compress, group, name=n)
                 meta["tensors"][n]["crc32c"] = f"{_quant.crc32c(packed):08x}"
                 out.write(packed.tobytes())
                 out.write(b"\0" * (padded[n] - len(packed)))
@@ -183,6 +184,15 @@ def _write(
             tmp.unlink()
         if progress:
             bar(None)
+
+
+def _source_tensor(f: Any, name: str, present: set[str]) -> Any:
+    """The source file's tensor `name`, or for "<tensor>[e]" (an expert's slice of a fused
+    tensor, Note [Leased experts]) that slice alone, read from the file without the rest."""
+    if name.endswith("]") and name not in present:
+        base, e = name[:-1].rsplit("[", 1)
+        return f.get_slice(base)[int(e)]
+    return f.get_tensor(name)
 
 
 def _progress(total: int, desc: str) -> Callable[[int | None], None]:

@@ -6,6 +6,7 @@ offload() (strata.torch._offload) calls in here; nothing here leases a dense blo
 
 from __future__ import annotations
 
+import contextlib
 import math
 import types
 from collections.abc import Callable, Mapping, Sequence
@@ -35,7 +36,9 @@ from ._runtimes import consumer_done
 #     concatenates (Concatenate): the slice is those tensors of expert i, mapped in place in their
 #     file, joined along the concatenated dimension when leased (Note [An expert in one piece]);
 #   - a checkpoint holding the fused 3-D tensor: the slice is the byte range of expert i in the
-#     file, mapped in place as a tensor of its own;
+#     file, mapped in place as a tensor of its own, named "<tensor>[i]" (slice_fused: made before
+#     compression, so that compress= quantizes each expert's slice into the compressed cache as
+#     a tensor of its own, read back from the file's slice alone);
 #   - any other conversion: transformers' converter is run for expert i alone once, at load, and
 #     the slice is a tensor of the runtime homed on the host tier (written to NVMe when the host
 #     budget is full), as Note [Converted parameters] does for a whole parameter.
@@ -248,6 +251,34 @@ def _fused_slices(
     return out
 
 
+def slice_fused(
+    modules: Sequence[tuple[str, nn.Module]],
+    qualname_of: Callable[[nn.Parameter], str],
+    tensors: Mapping[str, MappedTensor],
+    keys: KeyMap,
+    runtime: Runtime,
+    owned: list[Tensor],
+) -> dict[str, MappedTensor]:
+    """Each expert's slice of the fused 3-D checkpoint tensors of the experts `modules` (those
+    no conversion builds), mapped in place as "<tensor>[e]" (Note [Leased experts]); a tensor
+    that cannot be sliced is left to build_experts, which names what is wrong."""
+    out: dict[str, MappedTensor] = {}
+    for _, module in modules:
+        n = int(module.num_experts)
+        for p in module.parameters(recurse=False):
+            qualname = qualname_of(p)
+            if keys.conversion_of(qualname) is not None:
+                continue
+            key = keys.key_of(qualname, tensors)
+            if key is None or tuple(tensors[key].tensor.shape) != tuple(p.shape):
+                continue
+            with contextlib.suppress(UnsupportedError, OSError, ValueError):
+                mapped = tensors[key]
+                for e, t in enumerate(_fused_slices(qualname, mapped, runtime, owned, n)):
+                    out[f"{key}[{e}]"] = MappedTensor(t, mapped.path)
+    return out
+
+
 def _per_expert_parts(conversion: Conversion, n: int) -> tuple[list[list[str]], int] | None:
     """When `conversion` stacks one tensor per expert (and joins a few such along a dimension):
     for each expert its source keys in join order, and the slice's join dimension; else None."""
@@ -352,8 +383,12 @@ def build_experts(
                     f"tensor {key!r} in {str(mapped.path)!r} has shape "
                     f"{tuple(mapped.tensor.shape)}, experts parameter {qualname!r} {tuple(p.shape)}"
                 )
-            for e, s in enumerate(_fused_slices(qualname, mapped, runtime, owned, n)):
-                slices[e][attr] = _Slice([_whole(s)], 0, shape, p.dtype)
+            if all(f"{key}[{e}]" in tensors for e in range(n)):  # slice_fused's
+                parts = [tensors[f"{key}[{e}]"].tensor for e in range(n)]
+            else:
+                parts = _fused_slices(qualname, mapped, runtime, owned, n)
+            for e, part in enumerate(parts):
+                slices[e][attr] = _Slice([_whole(part)], 0, shape, p.dtype)
     for e in range(n):
         for attr, s in slices[e].items():
             got = list(s.parts[0].shape)

@@ -26,7 +26,15 @@ from .._runtime import Lease, Runtime, Tensor
 from ._checkpoint import Checkpoint, MappedTensor, checkpoint_files, map_checkpoint
 from ._compress import Rule, compress_checkpoint
 from ._dtypes import torch_dtype
-from ._experts import ExpertCache, ExpertLayer, Runs, build_experts, find_experts, find_router
+from ._experts import (
+    ExpertCache,
+    ExpertLayer,
+    Runs,
+    build_experts,
+    find_experts,
+    find_router,
+    slice_fused,
+)
 from ._keys import KeyMap, checkpoint_keys
 from ._runtimes import Budget, consumer_done, make_runtime
 
@@ -260,11 +268,13 @@ def _selector(
     keys: KeyMap,
     rule: Rule | None,
     expert_keys: Sequence[str] = (),
+    fused: set[str] = frozenset(),  # type: ignore[assignment]
 ) -> Rule:
     """Which checkpoint tensors to compress: parameters only (buffers are read on the host),
     those `rule` picks; by default the 2-D weights of linear layers (nn.Linear, transformers'
     Conv1D) that no embedding shares (a tied lm_head stays full width with its embedding), and
-    the routed experts' 2-D weights (`expert_keys`, Note [Leased experts])."""
+    the routed experts' 2-D weights (`expert_keys`, Note [Leased experts]), never a `fused`
+    experts tensor whole (each expert's slice of it is one of `expert_keys`)."""
     # Per parameter object (tied ones are one): every name it goes by, and whether every use is
     # a linear layer's 2-D weight.
     names_of: dict[int, list[str]] = {}
@@ -289,7 +299,7 @@ def _selector(
             linear.setdefault(name, True)
 
     def select(name: str, shape: tuple[int, ...], dtype: str) -> bool:
-        if name not in linear:
+        if name not in linear or name in fused:
             return False
         return rule(name, shape, dtype) if rule is not None else linear[name]
 
@@ -453,6 +463,14 @@ def offload(
     expert_keys = [
         k for name in expert_names if (c := keys.conversion_of(name)) is not None for k in c.keys
     ]
+    # Fused 3-D experts tensors: each expert's slice a tensor of its own, before compression
+    # (Note [Leased experts]); the fused tensor itself is then never compressed whole.
+    sliced = slice_fused(
+        expert_modules, lambda p: names_of[id(p)][0], tensors, keys, runtime, owned
+    )
+    fused = {name.rsplit("[", 1)[0] for name in sliced}
+    tensors = {**tensors, **sliced}
+    expert_keys += list(sliced)
     report = None
     compressed: set[int] = set()
     if compress is not None:
@@ -464,7 +482,7 @@ def offload(
             tensors, report = compress_checkpoint(
                 runtime,
                 tensors,
-                _selector(module, tensors, keys, compress_rule, expert_keys),
+                _selector(module, tensors, keys, compress_rule, expert_keys, fused),
                 compress=compress,
                 group=compress_group,
                 cache_dir=Path(cache),
