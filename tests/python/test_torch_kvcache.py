@@ -176,6 +176,9 @@ def test_the_next_layers_moving_pages_are_read_while_a_layer_attends(tmp_path):
     after = cache.stats()
     assert after["pages_moved"] - before["pages_moved"] >= len(moving)
     assert after["prefetch_hits"] - before["prefetch_hits"] >= depth
+    assert after["bytes_on_the_way"] > 0  # layer 2's first pages
+    cache.reset()  # every page destroyed: no record of one on its way outlives it
+    assert cache._prefetched == {} and cache.stats()["bytes_on_the_way"] == 0
 
 
 def test_budgets_given_to_the_cache_make_its_runtime(tmp_path):

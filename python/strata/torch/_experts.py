@@ -6,7 +6,6 @@ offload() (strata.torch._offload) calls in here; nothing here leases a dense blo
 
 from __future__ import annotations
 
-import contextlib
 import math
 import types
 from collections.abc import Callable, Mapping, Sequence
@@ -272,10 +271,18 @@ def slice_fused(
             key = keys.key_of(qualname, tensors)
             if key is None or tuple(tensors[key].tensor.shape) != tuple(p.shape):
                 continue
-            with contextlib.suppress(UnsupportedError, OSError, ValueError):
-                mapped = tensors[key]
-                for e, t in enumerate(_fused_slices(qualname, mapped, runtime, owned, n)):
-                    out[f"{key}[{e}]"] = MappedTensor(t, mapped.path)
+            names = [f"{key}[{e}]" for e in range(n)]
+            if any(name in tensors for name in names):  # a checkpoint's own key: never shadowed
+                continue
+            mapped, made = tensors[key], []
+            try:
+                _fused_slices(qualname, mapped, runtime, made, n)  # into `made` as it maps
+            except (UnsupportedError, OSError, ValueError):
+                for t in made:  # the slices mapped before the failure
+                    runtime.destroy(t)
+                continue
+            owned.extend(made)
+            out.update({name: MappedTensor(t, mapped.path) for name, t in zip(names, made)})
     return out
 
 

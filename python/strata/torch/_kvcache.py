@@ -15,7 +15,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .._core import Access, Tier
 from .._errors import Error, InvalidArgumentError, OutOfMemoryError, UnsupportedError
 from .._pipeline import PrefetchPipeline
-from .._runtime import Runtime, Tensor
+from .._runtime import LeaseFuture, Runtime, Tensor
 from ._dtypes import STRATA_DTYPES
 from ._runtimes import Budget, consumer_done, has_nvme_tier, in_pages, make_runtime
 
@@ -219,8 +219,9 @@ class _PagedLayer(CacheLayerMixin):
 
         def move_ahead() -> None:
             """Starts the moves of the closed pages beyond the leased ones until `depth` moves
-            are under way (Note [Streamed pages]): pages already on their read tier neither
-            count nor are leased early, which would pin them."""
+            are under way (Note [Streamed pages]): pages already on their read tier do not
+            count, and beyond the `depth` leased ones they are not leased early (which would pin
+            them, and on the device tier fill it)."""
             nonlocal scan
             scan = max(scan, later)
             while scan < count - 1 and len(moving) < depth:
@@ -246,22 +247,26 @@ class _PagedLayer(CacheLayerMixin):
                     c._keep_or_drop(self, j, Tier.HOST, room)
 
         i = 0
+        held: Any = None
         try:
             depth = self.depth
-            # Note [Streamed pages]: those a prefetch brought already hold their room.
+            # Note [Streamed pages]: those a prefetch brought already hold their room; on CUDA
+            # the page before the one copied is still leased.
             pending = sum(1 for page in self.pages if page.id in c._prefetched)
-            room = c._room(max(0, depth + 1 - pending), self)
+            room = c._room(max(0, depth + 1 + int(cuda) - pending), self)
             lease_to(depth - 1)
             move_ahead()
             for i in range(count):
                 tier, brought, future = futures.popleft()
+                held = future  # given back by the handler until in_use holds its lease
                 while moving and moving[0] <= i:
                     moving.popleft()
-                if brought:
-                    c._arrivals[future.done()] += 1
+                arrived = future.done()
                 lease_to(i + depth)
                 move_ahead()
-                lease = future.result()
+                lease = held = future.result()
+                if brought:
+                    c._arrivals[arrived] += 1
                 page = self._view(lease)
                 n = min(p, self.tokens - i * p)
                 dst = slice(i * p, i * p + n)
@@ -273,6 +278,7 @@ class _PagedLayer(CacheLayerMixin):
                     event = torch.cuda.Event()
                     event.record()
                 in_use.append((lease, event, i, tier, brought))
+                held = None
                 while len(in_use) > int(cuda):
                     finish(*in_use.popleft())
             while in_use:
@@ -283,6 +289,9 @@ class _PagedLayer(CacheLayerMixin):
             for entry in in_use:
                 with contextlib.suppress(Exception):
                     entry[0].release()
+            if held is not None:  # the page being copied
+                with contextlib.suppress(Exception):
+                    (held.result() if isinstance(held, LeaseFuture) else held).release()
             for _, _, f in futures:  # give back what is on its way
                 with contextlib.suppress(Exception):
                     f.result().release()
@@ -321,7 +330,7 @@ class _PagedLayer(CacheLayerMixin):
                     consumer_done(self.device)  # Note [Consumers' kernels]
             except Exception as e:
                 if access == Access.WRITE:  # never written: it holds nothing
-                    c.runtime.destroy(self.pages.pop())
+                    c._destroy(self.pages.pop())
                     self.packed.pop()
                 raise self._named(e, i, "writing tokens into it") from e
             self.tokens += take
@@ -350,7 +359,7 @@ class _PagedLayer(CacheLayerMixin):
             raise self._named(e, i, "compressing it") from e
         self.pages[i] = new
         self.packed[i] = True
-        c.runtime.destroy(old)
+        c._destroy(old)
         if c.home == Tier.NVME:  # create_tensor wrote it there, not a move the runtime counts
             c._nvme_written += _stored_bytes(new, True, c._group(self.head_dim))
 
@@ -369,7 +378,7 @@ class _PagedLayer(CacheLayerMixin):
             consumer_done(self.device)  # Note [Consumers' kernels]
         self.pages[i] = new
         self.packed[i] = False
-        c.runtime.destroy(old)
+        c._destroy(old)
 
     def _remake(self, edit: Any, batch_size: int) -> None:
         """Every page again through `edit` (a batch index_select or repeat), for beam search."""
@@ -398,10 +407,10 @@ class _PagedLayer(CacheLayerMixin):
         except Exception:
             self.batch_size = old_batch
             for t in pages:
-                c.runtime.destroy(t)
+                c._destroy(t)
             raise
         for old in self.pages:
-            c.runtime.destroy(old)
+            c._destroy(old)
         self.pages = pages
         self.batch_size = batch_size
 
@@ -409,7 +418,7 @@ class _PagedLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         for t in self.pages:
-            self._cache.runtime.destroy(t)
+            self._cache._destroy(t)
         self.pages, self.packed, self.tokens = [], [], 0
         self.is_initialized = False
 
@@ -423,7 +432,7 @@ class _PagedLayer(CacheLayerMixin):
         p = self.page_tokens
         pages = -(-keep // p)
         while len(self.pages) > pages:
-            self._cache.runtime.destroy(self.pages.pop())
+            self._cache._destroy(self.pages.pop())
             self.packed.pop()
         self.tokens = keep
         if keep % p and self.packed and self.packed[-1]:
@@ -655,11 +664,24 @@ class KVCache(Cache):
         try:
             self.runtime.prefetch(page, tier)
         except OutOfMemoryError:
-            if brought == "nvme":  # not read after all: counted when its lease reads it
-                self._nvme_read -= _stored_bytes(page, layer.packed[i], self._group(layer.head_dim))
+            if brought != "nvme":
+                return None
+            if self.runtime.resident(page, Tier.HOST):
+                # On its way to the device through the host tier, the host leg started before
+                # the device had no room: read from NVMe after all, and it leaves the host tier
+                # after its use as a page brought from there does.
+                self._prefetched[page.id] = "nvme"
+                return None
+            # not read after all: counted when its lease reads it
+            self._nvme_read -= _stored_bytes(page, layer.packed[i], self._group(layer.head_dim))
             return None
         self._prefetched[page.id] = brought
         return True
+
+    def _destroy(self, page: Tensor) -> None:
+        """Destroys a page, and forgets that a prefetch brought it."""
+        self._prefetched.pop(page.id, None)
+        self.runtime.destroy(page)
 
     def _prefetch_layer(self, layer: _PagedLayer) -> None:
         """Starts the moves of the first `depth` closed pages of `layer` that are not on their

@@ -463,6 +463,8 @@ def offload(
     expert_keys = [
         k for name in expert_names if (c := keys.conversion_of(name)) is not None for k in c.keys
     ]
+    if compress is not None and isinstance(checkpoint, Mapping):
+        raise InvalidArgumentError("offload: compress= needs a checkpoint's files")
     # Fused 3-D experts tensors: each expert's slice a tensor of its own, before compression
     # (Note [Leased experts]); the fused tensor itself is then never compressed whole.
     sliced = slice_fused(
@@ -474,8 +476,6 @@ def offload(
     report = None
     compressed: set[int] = set()
     if compress is not None:
-        if isinstance(checkpoint, Mapping):
-            raise InvalidArgumentError("offload: compress= needs a checkpoint's files")
         cache = compress_cache or nvme_dir or Path.home() / ".cache" / "strata" / "compressed"
         full_width = {n: m.tensor.id for n, m in tensors.items()}
         try:
