@@ -304,17 +304,21 @@ def test_a_conversion_strata_cannot_slice_is_built_once_per_expert(
         assert torch.equal(model(ids).logits, ref(ids).logits)
 
 
-def test_wrong_guesses_cost_bandwidth_never_a_result(checkpoints, tmp_path):
-    path = checkpoints["mixtral"]
-    model = _load(path, tmp_path)
-    ref = _reference(path)
-    cache = model.strata.experts
+def _poor_guesses(model):
     # Each layer pre-gated with the router of another layer and the hidden states reversed: the
     # guesses are poor, the leased experts still those the real router picks.
+    cache = model.strata.experts
     routers = dict(cache._routers)
     cache._routers = {i: routers[(i + 1) % len(routers)] for i in routers}
     guess = cache._guess
     cache._guess = lambda layer, hidden, room: guess(layer, -hidden.flip(0), room)
+
+
+def test_wrong_guesses_cost_bandwidth_never_a_result(checkpoints, tmp_path):
+    path = checkpoints["mixtral"]
+    model = _load(path, tmp_path, expert_prefetch="all")  # every guess moves, from NVMe too
+    ref = _reference(path)
+    _poor_guesses(model)
     ids = _ids(2, 10)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref(ids).logits)
@@ -322,6 +326,35 @@ def test_wrong_guesses_cost_bandwidth_never_a_result(checkpoints, tmp_path):
         assert torch.equal(ours, ref.generate(ids[:1], max_new_tokens=6, do_sample=False))
     stats = _expert_stats(model)
     assert stats["guessed"] > stats["guessed_right"]
+
+
+def test_a_guess_reads_no_storage_unless_every_guess_is_asked_to_move(checkpoints, tmp_path):
+    # Note [Pre-gating]: under expert_prefetch="auto" a guessed expert only on NVMe waits for
+    # its layer's router; "all" reads it for the guess.
+    path = checkpoints["qwen3_moe"]
+    ids = _ids(1, 1)
+    for prefetch in ("auto", "all"):
+        # half the model: room for the guesses beside a layer's own experts
+        model = _load(path, tmp_path / prefetch, _model_bytes(path) // 2, expert_prefetch=prefetch)
+        _poor_guesses(model)
+        with torch.no_grad():
+            model(ids)
+        stats = model.strata.stats()
+        experts = stats["experts"]
+        one = model.strata.experts.layers[0].experts[0].nbytes
+        assert experts["routed"] == 3 * TOP_K and experts["guessed"] > experts["guessed_right"]
+        wrong = experts["guessed"] - experts["guessed_right"]
+        if prefetch == "auto":  # the guesses are made and counted, and move nothing
+            assert experts["bytes_moved"] == experts["routed"] * one
+        else:  # guesses moved (those the room took), wrong ones besides the routed experts
+            assert experts["routed"] * one < experts["bytes_moved"]
+            assert experts["bytes_moved"] <= (experts["routed"] + wrong) * one
+        dense = sum(b.nbytes for b in model.strata.blocks)
+        read = stats["runtime"]["io"]["bytes_read"]  # O_DIRECT: each tensor's 4 KiB pages
+        assert experts["bytes_moved"] + dense <= read
+        assert read <= experts["bytes_moved"] + dense + 8192 * stats["runtime"]["tensors"]
+    with pytest.raises(strata.InvalidArgumentError, match="expert_prefetch='some'"):
+        _load(path, tmp_path / "bad", expert_prefetch="some")
 
 
 def test_an_expert_on_the_host_tier_is_computed_there(checkpoints, tmp_path):

@@ -591,6 +591,17 @@ def find_router(parent: nn.Module, n: int, hidden: int) -> nn.Module | None:
 # right; `guessed_right` / `routed` is how often. A wrong guess costs bandwidth, never a result:
 # the experts used are leased by what the router chose.
 #
+# Which guesses move (expert_prefetch): "auto" (the default) prefetches, most likely first, the
+# guessed experts that are on the host tier (a move over the link, none on the host backend,
+# where they run from there) and never reads one from storage for a guess; "all" prefetches
+# every guess, from NVMe too; "off" none (the guesses are still made and counted). A decode
+# token that reads its experts from NVMe is bound by the disk (on the 2-core VM it had 16 reads
+# in flight for all but 25 ms of a 0.28 s cold token), so a guess read from NVMe hides little
+# latency and a wrong one (a third of them) costs its bytes outright, and it evicts a cached
+# expert besides: bench/moe-vs-accelerate.py, two alternating rounds, 2026-12-07: "all" 0.24 to
+# 0.31 s a cold token reading 418 MB and 0.18 s a warm one reading 274 MB; guesses from NVMe
+# off, 0.24 s reading 355 MB (the least a token needs) and 0.145 s reading 205 MB warm.
+#
 # Note [Where an expert runs]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # An expert found on the host tier but not on the device tier need not move: on the host
@@ -619,11 +630,17 @@ class ExpertCache:
         host_share: int,
         compute: str,
         compressed: set[int] = frozenset(),  # type: ignore[assignment]
+        prefetch: str = "auto",
     ) -> None:
         if compute not in ("auto", "device", "host"):
             raise InvalidArgumentError(
                 f"expert_compute={compute!r}: expected 'auto', 'device' or 'host'"
             )
+        if prefetch not in ("auto", "all", "off"):
+            raise InvalidArgumentError(
+                f"expert_prefetch={prefetch!r}: expected 'auto', 'all' or 'off'"
+            )
+        self.prefetch = prefetch  # which guesses move (Note [Pre-gating])
         self.runtime = runtime
         self.layers = layers
         self.device = device
@@ -670,17 +687,25 @@ class ExpertCache:
         self._prefetch_guess(layer, ranked[: min(layer.top_k, len(layer.experts))], room)
 
     def _prefetch_guess(self, layer: ExpertLayer, chosen: list[int], room: int | None) -> None:
-        """Prefetches the guessed experts of `layer` to the device tier within `room` bytes (the
-        device share by default), protected from eviction until that layer runs."""
+        """Prefetches the guessed experts of `layer` (most likely first) to where they run
+        within `room` bytes (the share by default), protected from eviction until that layer
+        runs; under expert_prefetch="auto" only those whose move reads no storage (Note
+        [Pre-gating])."""
         layer.guess = set(chosen)
+        if self.prefetch == "off":
+            return
         budget = self.share[self._fetch] if room is None else room
         for e in chosen:
             expert = layer.experts[e]
+            on_device = self._resident(expert, Tier.DEVICE)
+            on = (on_device, on_device or self._resident(expert, Tier.HOST))
+            if self.prefetch == "auto" and not on[1]:
+                continue  # only on NVMe: its layer's router reads it, if it is chosen
             if expert.nbytes > budget:
                 break
             budget -= expert.nbytes
             self._protected.add((layer.index, e))
-            self._bring(expert, layer.stats)
+            self._bring(expert, layer.stats, on)
 
     def close(self) -> None:
         for layer in self.layers:
@@ -791,7 +816,12 @@ class ExpertCache:
         with self.runtime.acquire(tensor, Tier.DEVICE, Access.READ) as lease, torch.no_grad():
             weight = torch.from_dlpack(lease).view(shape)
             logits = nn.functional.linear(hidden.to(weight.dtype), weight)
-            chosen = torch.topk(logits, k, dim=-1).indices.unique().tolist()  # host-synced
+            top = torch.topk(logits.float().softmax(-1), k, dim=-1)
+            # Each expert picked for some token, the most likely (summed over tokens) first.
+            score = torch.zeros(logits.shape[-1], device=logits.device)
+            score.index_add_(0, top.indices.flatten(), top.values.flatten())
+            picked = torch.nonzero(score).flatten()
+            chosen = picked[torch.argsort(score[picked], descending=True)].tolist()  # host-synced
         self._prefetch_guess(nxt, chosen, room)
 
     # -- a forward --

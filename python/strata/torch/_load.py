@@ -63,6 +63,7 @@ def load_model(
     compress_cache: str | os.PathLike[str] | None = None,
     experts: str = "leased",
     expert_compute: str = "auto",
+    expert_prefetch: str = "auto",
 ) -> nn.Module:
     """A transformers model from a local checkpoint directory (config.json and its safetensors
     files, sharded or not), ready to run with its weights in strata's tiers::
@@ -122,5 +123,6 @@ def load_model(
         compress_cache=compress_cache,
         experts=experts,
         expert_compute=expert_compute,
+        expert_prefetch=expert_prefetch,
     )
     return model

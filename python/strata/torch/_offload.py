@@ -402,6 +402,7 @@ def offload(
     verify_cache: bool = True,
     experts: str = "leased",
     expert_compute: str = "auto",
+    expert_prefetch: str = "auto",
 ) -> Offloaded:
     """Runs `module` with its parameters in a strata Runtime, leased block by block.
 
@@ -426,7 +427,9 @@ def offload(
     by one as the router picks them (``experts="leased"``, Note [Leased experts]), kept on the
     tiers by routing frequency (Note [The expert cache]) and prefetched by pre-gating (Note
     [Pre-gating]); ``experts="whole"`` leases each layer with all its experts. On the host tier
-    an expert may be computed where it is (`expert_compute`, Note [Where an expert runs]).
+    an expert may be computed where it is (`expert_compute`, Note [Where an expert runs]);
+    `expert_prefetch` says which guesses move ("auto": never one read from storage; "all";
+    "off").
 
     Every parameter must be found with the right shape, and every block must fit the device
     budget, before anything runs: otherwise NotFoundError, InvalidArgumentError or
@@ -595,7 +598,9 @@ def offload(
     handle = Offloaded(module, runtime, pipeline, found, owned, dev)
     handle.compression = report
     if layers:
-        cache = ExpertCache(runtime, layers, dev, shares[0], shares[1], expert_compute, compressed)
+        cache = ExpertCache(
+            runtime, layers, dev, shares[0], shares[1], expert_compute, compressed, expert_prefetch
+        )
         cache.set_routers(routers)
         cache.install()
         handle.experts = cache
