@@ -130,6 +130,7 @@ def child(args: argparse.Namespace) -> dict:
             device_budget=device_budget,
             host_budget=args.budget - half,
             experts="whole" if args.child == "strata_whole" else "leased",
+            expert_prefetch=args.expert_prefetch,
             # "whole" builds each layer's fused experts once, homed on the host tier: its swap
             nvme_dir=swap,
         )
@@ -217,6 +218,7 @@ def run_child(kind: str, args: argparse.Namespace, checkpoint: Path, limit: int 
         "vocab",
         "dir",
         "whole_device_budget",
+        "expert_prefetch",
     ):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     result, _ = run_json_child(cmd, limit, kind)
@@ -302,6 +304,12 @@ def main() -> None:
         default=",".join(KINDS),
         help="which runs, comma-separated (strata_whole cannot run under the default limit)",
     )
+    ap.add_argument(
+        "--expert-prefetch",
+        choices=["auto", "all", "off"],
+        default="auto",
+        help="which pre-gating guesses strata moves (Note [Pre-gating])",
+    )
     ap.add_argument("--memory-limit", choices=["on", "off"], default="on")
     ap.add_argument("--child", choices=["reference", *KINDS, "checkpoint"])
     ap.add_argument("--checkpoint")
@@ -369,6 +377,7 @@ def main() -> None:
         "layers": args.layers,
         "experts": args.experts,
         "top_k": args.top_k,
+        "expert_prefetch": args.expert_prefetch,
         "disk_read_gbps_fio": [round(x, 3) for x in rates],
         "disk_read_gbps_fio_by_round": round_rates,
         "rounds": args.rounds,

@@ -357,6 +357,63 @@ def test_a_guess_reads_no_storage_unless_every_guess_is_asked_to_move(checkpoint
         _load(path, tmp_path / "bad", expert_prefetch="some")
 
 
+@pytest.mark.parametrize("prefetch", ["auto", "all", "off"])
+def test_guesses_most_likely_first_and_which_of_them_move(checkpoints, tmp_path, prefetch):
+    # Note [Pre-gating]: the guess is the set of experts the next router's top_k picks for some
+    # token, ordered by their summed probability; "auto" moves only guessed experts already on
+    # a tier above storage, "off" none, "all" any.
+    path = checkpoints["qwen3_moe"]
+    # budgets that hold the model: an expert used once stays up, where the next guesses find it
+    model = _load(path, tmp_path, 2 * _model_bytes(path), expert_prefetch=prefetch)
+    cache = model.strata.experts
+    rt = model.strata.runtime
+    guessing = []  # (layer, chosen) of each guess
+    moves = []  # (expert, on a tier above storage before) of each move a guess asked for
+    guess, prefetch_guess, bring = cache._guess, cache._prefetch_guess, cache._bring
+
+    def spy_guess(layer, hidden, room):
+        nxt = cache.layers[layer.index + 1] if layer.index + 1 < len(cache.layers) else None
+        if nxt is not None and nxt.index in cache._routers:
+            tensor, shape = cache._routers[nxt.index]
+            weight = torch.from_numpy(rt.read(tensor)).view(shape)
+            probs = torch.softmax(hidden.float() @ weight.T.float(), -1)
+            top = torch.topk(probs, nxt.top_k, dim=-1)
+            want = set(top.indices.flatten().tolist())
+            sums = {e: float(top.values[top.indices == e].sum()) for e in want}
+            guessing.append((nxt.index, want, sums))
+        guess(layer, hidden, room)
+
+    def spy_prefetch_guess(layer, chosen, room):
+        if guessing and guessing[-1][0] == layer.index:
+            _, want, sums = guessing[-1]
+            assert set(chosen) == want and len(chosen) == len(want)
+            ordered = [sums[e] for e in chosen]
+            assert all(a >= b - 1e-6 for a, b in zip(ordered, ordered[1:])), ordered
+        cache._bring = lambda expert, stats, on=None: (
+            moves.append(
+                (expert, any(cache._resident(expert, t) for t in (Tier.DEVICE, Tier.HOST)))
+            ),
+            bring(expert, stats, on),
+        )
+        try:
+            prefetch_guess(layer, chosen, room)
+        finally:
+            cache._bring = bring
+
+    cache._guess, cache._prefetch_guess = spy_guess, spy_prefetch_guess
+    ref = _reference(path)
+    with torch.no_grad():
+        for ids in (_ids(1, 6, seed=1), _ids(1, 6, seed=2), _ids(1, 6, seed=1)):  # cold, warm
+            assert torch.equal(model(ids).logits, ref(ids).logits)
+    assert guessing  # every guess checked against the router's own top_k
+    if prefetch == "off":
+        assert moves == []
+    elif prefetch == "auto":
+        assert moves and all(up for _, up in moves)  # never one only on storage
+    else:
+        assert any(not up for _, up in moves)  # read from NVMe for a guess
+
+
 def test_an_expert_on_the_host_tier_is_computed_there(checkpoints, tmp_path):
     # The host backend (on every machine): host budget for the whole model, device budget a
     # quarter: experts found on the host tier are computed from their host copy (the same

@@ -577,18 +577,18 @@ def find_router(parent: nn.Module, n: int, hidden: int) -> nn.Module | None:
 # used once long ago thus yields to one used often lately, and one used every few tokens stays
 # where pure LRU would let a burst of one-off experts push it out. Which tier held a needed
 # expert is counted per layer: `hits` (the device tier), `host_hits` (the host tier), `misses`
-# (neither: read from its file or NVMe); `bytes_moved` counts the bytes brought to the device
-# tier (by demand or by a guess).
+# (neither: read from its file or NVMe); `bytes_moved` counts the bytes brought to where the
+# experts run (the device tier; the host tier on the host backend), by demand or by a guess.
 #
 # Note [Pre-gating]
 # ~~~~~~~~~~~~~~~~~~
 # The recorded schedule cannot say which experts the next layer will use. As a layer's experts
 # start, the next experts layer's router weight (leased for the moment from the next layer's
 # block, which the pipeline is bringing meanwhile) is applied to this layer's hidden states: the top_k
-# experts of each token under it are that layer's guess, prefetched to the device tier behind this
-# layer's own experts (with the most frequent experts of that layer when there is no router
-# found). The residual stream changes little from one layer to the next, so the guess is mostly
-# right; `guessed_right` / `routed` is how often. A wrong guess costs bandwidth, never a result:
+# experts of each token under it are that layer's guess, brought to where they run behind this
+# layer's own experts as expert_prefetch allows (below; with the most frequent experts of that
+# layer when there is no router found). The residual stream changes little from one layer to
+# the next, so the guess is mostly right; `guessed_right` / `routed` is how often. A wrong guess costs bandwidth, never a result:
 # the experts used are leased by what the router chose.
 #
 # Which guesses move (expert_prefetch): "auto" (the default) prefetches, most likely first, the
@@ -598,9 +598,10 @@ def find_router(parent: nn.Module, n: int, hidden: int) -> nn.Module | None:
 # token that reads its experts from NVMe is bound by the disk (on the 2-core VM it had 16 reads
 # in flight for all but 25 ms of a 0.28 s cold token), so a guess read from NVMe hides little
 # latency and a wrong one (a third of them) costs its bytes outright, and it evicts a cached
-# expert besides: bench/moe-vs-accelerate.py, two alternating rounds, 2026-12-07: "all" 0.24 to
-# 0.31 s a cold token reading 418 MB and 0.18 s a warm one reading 274 MB; guesses from NVMe
-# off, 0.24 s reading 355 MB (the least a token needs) and 0.145 s reading 205 MB warm.
+# expert besides. bench/moe-vs-accelerate.py's strata child, two alternating rounds, 2026-12-07:
+# "all" 0.24 to 0.31 s a cold token reading 418 MB and 0.18 s a warm one reading 274 MB;
+# guesses from NVMe off, 0.24 s reading 355 MB (the least a token needs), 0.145 s and 205 MB
+# warm.
 #
 # Note [Where an expert runs]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -698,8 +699,8 @@ class ExpertCache:
         for e in chosen:
             expert = layer.experts[e]
             on_device = self._resident(expert, Tier.DEVICE)
-            on = (on_device, on_device or self._resident(expert, Tier.HOST))
-            if self.prefetch == "auto" and not on[1]:
+            on = (on_device, not on_device and self._resident(expert, Tier.HOST))  # as run()'s
+            if self.prefetch == "auto" and not (on[0] or on[1]):
                 continue  # only on NVMe: its layer's router reads it, if it is chosen
             if expert.nbytes > budget:
                 break
@@ -818,10 +819,11 @@ class ExpertCache:
             logits = nn.functional.linear(hidden.to(weight.dtype), weight)
             top = torch.topk(logits.float().softmax(-1), k, dim=-1)
             # Each expert picked for some token, the most likely (summed over tokens) first.
-            score = torch.zeros(logits.shape[-1], device=logits.device)
+            score = torch.zeros(logits.shape[-1], dtype=top.values.dtype, device=logits.device)
             score.index_add_(0, top.indices.flatten(), top.values.flatten())
-            picked = torch.nonzero(score).flatten()
-            chosen = picked[torch.argsort(score[picked], descending=True)].tolist()  # host-synced
+            picked = top.indices.flatten().unique()  # the set topk picked (a 0 score included)
+            order = torch.argsort(score[picked], descending=True, stable=True)
+            chosen = picked[order].tolist()  # host-synced
         self._prefetch_guess(nxt, chosen, room)
 
     # -- a forward --
