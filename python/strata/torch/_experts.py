@@ -597,11 +597,10 @@ def find_router(parent: nn.Module, n: int, hidden: int) -> nn.Module | None:
 # every guess, from NVMe too; "off" none (the guesses are still made and counted). A decode
 # token that reads its experts from NVMe is bound by the disk (on the 2-core VM it had 16 reads
 # in flight for all but 25 ms of a 0.28 s cold token), so a guess read from NVMe hides little
-# latency and a wrong one (a third of them) costs its bytes outright, and it evicts a cached
-# expert besides. bench/moe-vs-accelerate.py's strata child, two alternating rounds, 2026-12-07:
-# "all" 0.24 to 0.31 s a cold token reading 418 MB and 0.18 s a warm one reading 274 MB;
-# guesses from NVMe off, 0.24 s reading 355 MB (the least a token needs), 0.145 s and 205 MB
-# warm.
+# latency and a wrong one (a third of them) costs its bytes outright.
+# bench/moe-vs-accelerate.py's strata child, two alternating rounds, 2026-12-07: "all" 0.24 to
+# 0.31 s a cold token reading 418 MB and 0.18 s a warm one reading 274 MB; guesses from NVMe
+# off, 0.24 s reading 355 MB (the least a token needs), 0.145 s and 205 MB warm.
 #
 # Note [Where an expert runs]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
