@@ -588,6 +588,10 @@ class KVCache(Cache):
     def _group(self, head_dim: int) -> int:
         return 64 if head_dim % 64 == 0 else head_dim
 
+    def _stored(self, layer: _PagedLayer, i: int) -> int:
+        """The bytes page i of `layer` holds on the host and NVMe tiers."""
+        return _stored_bytes(layer.pages[i], layer.packed[i], self._group(layer.head_dim))
+
     # -- moving pages --
 
     # Note [Streamed pages]
@@ -642,7 +646,7 @@ class KVCache(Cache):
         on_device = runtime.resident(page, Tier.DEVICE)
         on_host = on_device or runtime.resident(page, Tier.HOST)
         if not on_host:
-            self._nvme_read += _stored_bytes(page, layer.packed[i], self._group(layer.head_dim))
+            self._nvme_read += self._stored(layer, i)
         if layer.packed[i] or not self._host_backend or on_device:
             tier, there = Tier.DEVICE, on_device
         else:
@@ -673,7 +677,7 @@ class KVCache(Cache):
                 self._prefetched[page.id] = "nvme"
                 return None
             # not read after all: counted when its lease reads it
-            self._nvme_read -= _stored_bytes(page, layer.packed[i], self._group(layer.head_dim))
+            self._nvme_read -= self._stored(layer, i)
             return None
         self._prefetched[page.id] = brought
         return True
@@ -746,7 +750,7 @@ class KVCache(Cache):
             for i, t in enumerate(layer.pages):
                 pages += 1
                 compressed += layer.packed[i]
-                stored = _stored_bytes(t, layer.packed[i], self._group(layer.head_dim))
+                stored = self._stored(layer, i)
                 stored_bytes += stored
                 if t.id in self._prefetched:
                     on_the_way += stored
