@@ -423,6 +423,50 @@ TEST_F(RuntimeTest, EvictsTheFarthestNextUseThroughThePolicy) {
     EXPECT_TRUE(rt->resident(t[i], Tier::Device)) << i;
 }
 
+// Note [Duplicates go first]: a host copy of a tensor the device tier holds serves no read, so
+// it goes before a host-only copy, even a less recently used one, and under either policy.
+void duplicates_go_first(Runtime& rt) {
+  const std::uint64_t fits = rt.tier_stats(Tier::Host).capacity_bytes / (128 * KiB);
+  ASSERT_GE(fits, 3u);
+  std::vector<TensorId> only;  // host copies only, least recent first
+  std::vector<std::vector<unsigned char>> data;
+  for (std::uint64_t i = 0; i + 1 < fits; ++i) {
+    data.push_back(pattern(128 * KiB, 40 + static_cast<int>(i)));
+    only.push_back(
+        rt.create_tensor(desc("h" + std::to_string(i), 128 * KiB), Tier::Nvme, data.back().data()));
+    rt.acquire(only.back(), Tier::Host, Access::Read).get();
+  }
+  const auto dup_data = pattern(128 * KiB, 39);
+  const TensorId dup = rt.create_tensor(desc("dup", 128 * KiB), Tier::Nvme, dup_data.data());
+  rt.acquire(dup, Tier::Device, Access::Read).get();  // the host keeps a copy on the way
+  rt.acquire(dup, Tier::Host, Access::Read).get();    // its host copy is now the most recent
+  ASSERT_TRUE(rt.resident(dup, Tier::Host));
+  const TensorId next = rt.create_tensor(desc("next", 128 * KiB), Tier::Nvme, dup_data.data());
+  rt.acquire(next, Tier::Host, Access::Read).get();  // needs room on the host
+  EXPECT_FALSE(rt.resident(dup, Tier::Host));        // the duplicate went,
+  EXPECT_TRUE(rt.resident(dup, Tier::Device));
+  for (std::size_t i = 0; i < only.size(); ++i)  // not the least recent host-only copy
+    EXPECT_TRUE(rt.resident(only[i], Tier::Host)) << i;
+  rt.evict(dup, Tier::Device);  // its last copy above NVMe gone: read back from there, whole
+  Lease again = rt.acquire(dup, Tier::Device, Access::Read).get();
+  EXPECT_EQ(leased_bytes(again), dup_data);
+  for (std::size_t i = 0; i < only.size(); ++i)
+    EXPECT_EQ(contents(rt, only[i]), data[i]) << i;
+}
+
+TEST_F(RuntimeTest, AHostCopyTheDeviceAlsoHoldsIsEvictedFirstUnderLru) {
+  auto rt = make();
+  duplicates_go_first(*rt);
+}
+
+TEST_F(RuntimeTest, AHostCopyTheDeviceAlsoHoldsIsEvictedFirstUnderFarthestNextUse) {
+  auto rt = make();
+  // No next use known for any (a loop's own tensors): Belady falls back to recency, which the
+  // duplicate rule overrides.
+  rt->set_eviction_policy(std::make_shared<FarthestNextUsePolicy>([](TensorId) { return ~0ULL; }));
+  duplicates_go_first(*rt);
+}
+
 TEST_F(RuntimeTest, CompactsInsteadOfEvictingWhenFreeBytesSuffice) {
   auto rt = make();  // 512 KiB device
   std::vector<TensorId> t;

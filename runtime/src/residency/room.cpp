@@ -175,9 +175,10 @@ void Runtime::Impl::room_step(std::unique_lock<std::mutex>& lock, std::vector<Ro
   if (!candidates.empty()) {
     std::vector<EvictionCandidate> view;
     for (TensorState* c : candidates)
-      view.push_back({c->id, c->bytes_on(tier), c->copies[idx(tier)].last_use, dirty(*c, tier)});
+      view.push_back({c->id, c->bytes_on(tier), c->copies[idx(tier)].last_use, dirty(*c, tier),
+                      c->held_above(tier)});
     for (TensorState* c : landing)
-      view.push_back({c->id, c->bytes_on(tier), c->copies[idx(tier)].last_use, false});
+      view.push_back({c->id, c->bytes_on(tier), c->copies[idx(tier)].last_use, false, false});
     const std::size_t pick = policy->choose(tier, view);
     if (pick >= candidates.size()) {
       room.wait(lock);  // the policy's victim is still landing

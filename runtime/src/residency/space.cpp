@@ -221,8 +221,9 @@ bool Runtime::Impl::stage(std::unique_lock<std::mutex>& lock, TensorState& t, Ti
     if (candidates.empty()) return false;
     std::vector<EvictionCandidate> view;
     for (TensorState* c : candidates)
-      view.push_back({c->id, c->bytes_on(tier), c->copies[idx(tier)].last_use, false});
-    view.push_back({t.id, t.bytes_on(tier), 0, false});
+      view.push_back(
+          {c->id, c->bytes_on(tier), c->copies[idx(tier)].last_use, false, c->held_above(tier)});
+    view.push_back({t.id, t.bytes_on(tier), 0, false, false});
     const std::size_t pick = policy->choose(tier, view);
     if (pick >= candidates.size()) return false;
     evict_copy(lock, *candidates[pick], tier);  // clean: dropped, the lock kept

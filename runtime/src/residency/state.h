@@ -85,6 +85,13 @@ struct TensorState {
     const Copy& c = copies[idx(t)];
     return (c.state == CopyState::Valid || c.state == CopyState::Evicting) && c.version == version;
   }
+  /// A current copy on a tier faster than `t` that stays (not being evicted) serves its reads:
+  /// the copy on `t` is a duplicate (Note [Duplicates go first], eviction_policies.cpp).
+  [[nodiscard]] bool held_above(Tier t) const {
+    for (std::size_t i = 0; i < idx(t); ++i)
+      if (copies[i].state == CopyState::Valid && copies[i].version == version) return true;
+    return false;
+  }
   /// Nobody works on it: no move in flight, no copy pinned (a read, a move's source) and none
   /// being written back (an eviction holds a reference to this state across its waits).
   [[nodiscard]] bool idle() const {

@@ -102,6 +102,9 @@ struct EvictionCandidate {
   std::uint64_t bytes = 0;
   std::uint64_t last_use = 0;  ///< a logical clock: larger is more recent
   bool dirty = false;          ///< evicting it costs a write-back
+  /// A current copy on a faster tier serves the tensor's reads while it stays: this copy is a
+  /// duplicate (Note [Duplicates go first]).
+  bool above = false;
 };
 
 /// Chooses eviction victims. Called with the runtime's lock held: it must not call back into
@@ -113,14 +116,15 @@ class EvictionPolicy {
   virtual std::size_t choose(Tier tier, const std::vector<EvictionCandidate>& candidates) = 0;
 };
 
-/// Least recently used first.
+/// Least recently used first, a clean duplicate of a faster tier's copy before any other.
 class LruPolicy final : public EvictionPolicy {
  public:
   std::size_t choose(Tier tier, const std::vector<EvictionCandidate>& candidates) override;
 };
 
 /// Farthest next use first (Belady), from a caller-supplied oracle — e.g. the scheduler's
-/// schedule. Ties (and tensors with no known next use) fall back to least recently used.
+/// schedule, a clean duplicate of a faster tier's copy before any other. Ties (and tensors with
+/// no known next use) fall back to least recently used.
 class FarthestNextUsePolicy final : public EvictionPolicy {
  public:
   /// Steps until `tensor` is next used; a huge value for never.
