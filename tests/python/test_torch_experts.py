@@ -4,7 +4,8 @@ implementation: logits bit for bit for a prefill and for every token of greedy g
 budgets a quarter of the model, for Mixtral, Qwen3-MoE and Qwen2-MoE (shared experts); a batch
 that routes to every expert, tokens routed to no cached expert, a checkpoint holding the fused
 3-D tensors, pre-gating guesses that are wrong, experts computed where they are, int8 experts;
-the cache's policy (frequency with aging, not LRU); bad input named before anything runs.
+the cache's policy (hit density: frequency with aging over the layers until the next use, not
+LRU); bad input named before anything runs.
 
 Models are random-initialised from a config and written with save_pretrained (real safetensors
 files), never downloaded."""
@@ -546,6 +547,7 @@ def _policy_cache(tmp_path, n, share_experts):
 
 def _use(rt, cache, experts, used):
     cache.begin_forward()
+    cache._enter(cache.layers[0], [])  # the layer runs (its experts unprotected: the policy alone)
     for e in used:
         with rt.acquire(experts[e].tensors[0], Tier.DEVICE, Access.READ):
             pass
@@ -575,6 +577,87 @@ def test_counts_age_so_an_expert_no_longer_used_gives_way(tmp_path):
     _use(rt, cache, experts, [1])
     _use(rt, cache, experts, [2])
     assert _on_device(rt, experts) == {1, 2}
+
+
+def test_layers_run_in_a_cycle_keep_the_experts_next_to_run(tmp_path):
+    # Four layers each routing to the same two experts every forward, a share of four experts:
+    # a token uses twice the share. Evicting by recency (or by a count the forward's own uses
+    # dominate) pushes each layer's experts out just before that layer runs again: no hit ever.
+    # By hit density (Note [The expert cache]) the layers next to run keep theirs.
+    rt = st.make_runtime("cpu", "1MiB", "4MiB", tmp_path, nvme_capacity="16MiB")
+    layers = []
+    for i in range(4):
+        experts = []
+        for e in range(2):
+            t = rt.create_tensor(f"l{i}e{e}", (1024,), "float32", Tier.HOST)
+            slices = {"w": _experts._Slice([_experts._whole(t)], 0, (1024,), torch.float32)}
+            experts.append(_experts.Expert(i, e, slices))
+        layers.append(_experts.ExpertLayer(f"layers.{i}.experts", torch.nn.Module(), i, experts, 0))
+    cache = _experts.ExpertCache(rt, layers, torch.device("cpu"), 4 * 4096, 0, "device")
+    hits = []
+    for _ in range(6):
+        cache.begin_forward()
+        found = 0
+        for layer in layers:
+            cache._enter(layer, [0, 1])
+            for expert in layer.experts:
+                found += rt.resident(expert.tensors[0], Tier.DEVICE)
+                with rt.acquire(expert.tensors[0], Tier.DEVICE, Access.READ):
+                    pass
+                cache._used(expert)
+                cache._keep(expert, Tier.DEVICE)
+        hits.append(found)
+    # The first forward is cold; afterwards each forward finds at least one layer's experts
+    # (the share holds two layers' worth: no policy finds more than four).
+    assert hits[0] == 0 and all(2 <= h <= 4 for h in hits[1:]), hits
+    kept = {
+        (e.layer, e.index)
+        for layer in layers
+        for e in layer.experts
+        if cache._resident(e, Tier.DEVICE)
+    }
+    assert len(kept) == 4
+
+
+def test_layers_that_use_more_than_the_share_find_what_it_kept(checkpoints, tmp_path):
+    # bench/moe-vs-accelerate.py's shape at test scale: the dense blocks stay on the device
+    # tier and a forward's experts (3 layers x 2) exceed the share of the tier where they run
+    # (4). One input again and again routes each layer to the same experts: a cycle of layers.
+    # By recency nothing is ever found (each layer's experts go just before it runs again); by
+    # hit density the share keeps those of the layers next to run. Nor may the runtime push a
+    # kept expert out for a dense block's host copy, one the device tier also holds (Note
+    # [Duplicates go first]): that had every warm token of the bench find none.
+    path = checkpoints["qwen3_moe"]
+    one = 3 * 64 * 64 * 4  # an expert: gate, up and down, 64 x 64 fp32 each
+    largest = VOCAB * 64 * 4  # the embedding, the head
+    if DEVICE == "cpu":  # experts run from the host tier (Note [Where an expert runs])
+        device, host = "4MiB", 480_000
+    else:
+        device, host = 2 * largest + 2048 + 4 * one + one // 2, "4MiB"
+    rt = st.make_runtime(DEVICE, device, host, tmp_path, nvme_capacity="64MiB")
+    model = st.load_model(path, device=DEVICE, runtime=rt)
+    cache = model.strata.experts
+    assert cache.layers[0].experts[0].nbytes == one
+    assert cache.share[cache._fetch] // one == 4
+    ref = _reference(path)
+    ids = _ids(1, 1)
+    assert [len(s) for s in _routed(ref, ids)] == [2, 2, 2]
+    found, pushed = [], []
+    for i in range(6):
+        if i < 2:  # cold: every copy dropped, the dense blocks come through the host tier
+            model.strata.drop_caches()
+        before = _expert_stats(model)
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, ref(ids).logits)
+        after = _expert_stats(model)
+        found.append(after["hits"] + after["host_hits"] - before["hits"] - before["host_hits"])
+        pushed.append(after["pushed_out"] - before["pushed_out"])
+    # Room for two layers' experts, the running one's among them: over a cycle of three layers
+    # farthest next use (the best any policy does) finds a layer and a half, 3 experts, a
+    # forward on average. Every warm forward finds at least a layer's.
+    assert found[:2] == [0, 0] and all(2 <= f <= 4 for f in found[2:]), found
+    assert sum(found[2:]) >= 3 * 4, found
+    assert pushed[2:] == [0] * 4, pushed
 
 
 # ---- bad input --------------------------------------------------------------------------------

@@ -199,10 +199,14 @@ class _LayerStats:
     guessed_right: int = 0
     routed: int = 0  # experts used, summed over forwards
     routed_after_guess: int = 0  # of those, in forwards that had a guess
+    pushed_out: int = (
+        0  # kept experts the runtime evicted for other tensors (Note [The expert cache])
+    )
 
     def as_dict(self) -> dict[str, Any]:
         d = dict(vars(self))
-        d["hit_rate"] = round(self.hits / self.routed, 4) if self.routed else None
+        found = self.hits + self.host_hits  # on a tier: not read from storage
+        d["hit_rate"] = round(found / self.routed, 4) if self.routed else None
         d["guess_accuracy"] = (
             round(self.guessed_right / self.routed_after_guess, 4)
             if self.routed_after_guess
@@ -571,25 +575,39 @@ def find_router(parent: nn.Module, n: int, hidden: int) -> nn.Module | None:
 # model, 6 blocks ahead, a cold token then read 506 MB instead of 415 and took 0.34 s instead
 # of 0.25, the blocks' host copies on their way to the device pushing guessed experts out of
 # the host tier before their layer ran (those copies are not in the host window's account).
-# When the experts kept on a tier exceed their share, those with the lowest score are evicted
-# from it: the score is the routing frequency with aging (each forward multiplies every count by
-# DECAY and adds one to each expert used), ties going to the least recently used. An expert
-# used once long ago thus yields to one used often lately, and one used every few tokens stays
-# where pure LRU would let a burst of one-off experts push it out. Which tier held a needed
-# expert is counted per layer: `hits` (the device tier), `host_hits` (the host tier), `misses`
-# (neither: read from its file or NVMe); `bytes_moved` counts the bytes brought to where the
-# experts run (the device tier; the host tier on the host backend), by demand or by a guess.
+# When the experts kept on a tier exceed their share, those of the lowest hit density are
+# evicted from it (the quantity LHD, Beckmann et al., NSDI'18, ranks a cache's objects by): the
+# likelihood that the expert's layer routes to it when that layer next runs, over how many
+# experts layers run before then. The likelihood is the routing frequency with aging: each
+# forward multiplies every count, and each layer's count of forwards, by DECAY, and adds one to
+# each expert used and each layer run; the ratio of the two. Ties go to the least recently
+# used. An expert used once long ago thus yields to one used often lately, one used every few
+# tokens stays where pure LRU would let a burst of one-off experts push it out, and the
+# distance keeps the layers about to run: a token runs the layers in a cycle, and when the
+# experts it uses exceed the share, recency (or a count this forward's own uses dominate)
+# evicts each layer's experts just before that layer runs again, so nothing is ever found
+# (bench/moe-vs-accelerate.py: 0 of 64 experts a warm token, against 23 to 27 by density with
+# a share of 27). The runtime's own eviction must not undo this: it drops a clean copy that a
+# faster tier also holds (a dense block's host copy once the block is on the device tier)
+# before any expert (Note [Duplicates go first], runtime/src/residency/eviction_policies.cpp).
+# `pushed_out` counts the kept experts found evicted by the runtime for other tensors (behind
+# the cache's back: the cache keeps within its share, so it is 0 when the tiers' accounts hold).
+# Which tier held a needed expert is counted per layer: `hits` (the device tier), `host_hits`
+# (the host tier), `misses` (neither: read from its file or NVMe), `hit_rate` the share of
+# the first two; `bytes_moved` counts the bytes brought to where the experts run (the device
+# tier; the host tier on the host backend), by demand or by a guess.
 #
 # Note [Pre-gating]
 # ~~~~~~~~~~~~~~~~~~
 # The recorded schedule cannot say which experts the next layer will use. As a layer's experts
 # start, the next experts layer's router weight (leased for the moment from the next layer's
-# block, which the pipeline is bringing meanwhile) is applied to this layer's hidden states: the top_k
-# experts of each token under it are that layer's guess, brought to where they run behind this
-# layer's own experts as expert_prefetch allows (below; with the most frequent experts of that
-# layer when there is no router found). The residual stream changes little from one layer to
-# the next, so the guess is mostly right; `guessed_right` / `routed` is how often. A wrong guess costs bandwidth, never a result:
-# the experts used are leased by what the router chose.
+# block, which the pipeline is bringing meanwhile) is applied to this layer's hidden states:
+# the top_k experts of each token under it are that layer's guess, brought to where they run
+# behind this layer's own experts as expert_prefetch allows (below; with the most frequent
+# experts of that layer when there is no router found). The residual stream changes little
+# from one layer to the next, so the guess is mostly right; `guessed_right` / `routed` is how
+# often. A wrong guess costs bandwidth, never a result: the experts used are leased by what the
+# router chose.
 #
 # Which guesses move (expert_prefetch): "auto" (the default) prefetches, most likely first, the
 # guessed experts that are on the host tier (a move over the link, none on the host backend,
@@ -654,6 +672,8 @@ class ExpertCache:
         self._last: dict[tuple[int, int], int] = {}
         self._kept: dict[Tier, dict[tuple[int, int], int]] = {Tier.DEVICE: {}, Tier.HOST: {}}
         self._clock = 0
+        self._current = -1  # the experts layer running; -1 before a forward's first
+        self._runs: dict[int, float] = {}  # each layer's forwards, aged as the counts are
         self._protected: set[tuple[int, int]] = set()
         self._routers: dict[int, tuple[Tensor, tuple[int, ...]]] = {}
         # Note [Where an expert runs]: measured CPU seconds per (token x byte), link bytes/s.
@@ -674,9 +694,12 @@ class ExpertCache:
     def begin_forward(self) -> None:
         """A forward of the model starts: counts age (Note [The expert cache])."""
         self._clock += 1
+        self._current = -1
         self._protected = set()
         for k in self._score:
             self._score[k] *= DECAY
+        for i in self._runs:
+            self._runs[i] *= DECAY
         if self.layers and self._score:  # the first layer has no layer before it to pre-gate
             self._guess_by_frequency(self.layers[0])
 
@@ -734,7 +757,7 @@ class ExpertCache:
         protected = self._protected
         victims = sorted(
             (k for k in kept if k != key and k not in protected),
-            key=lambda k: (self._score.get(k, 0.0), self._last.get(k, 0)),
+            key=lambda k: (self._density(k), self._last.get(k, 0)),
         )
         for k in victims:
             if total <= self.share[tier]:
@@ -744,6 +767,14 @@ class ExpertCache:
                 self.runtime.evict(t, tier)
             total -= kept.pop(k)
 
+    def _density(self, key: tuple[int, int]) -> float:
+        """An expert's hit density (Note [The expert cache]): the likelihood that its layer
+        routes to it when it next runs (its aged count over the layer's aged forwards) over how
+        many experts layers run until then (1 for the next one, len(layers) for this one)."""
+        runs = self._runs.get(key[0], 0.0)
+        likelihood = self._score.get(key, 0.0) / runs if runs else 0.0
+        return likelihood / ((key[0] - self._current - 1) % len(self.layers) + 1)
+
     def _prune(self, tier: Tier, keep: tuple[int, int] | None = None) -> int:
         """Forgets the kept experts the runtime has evicted from `tier` (but `keep`); returns
         the bytes still kept there."""
@@ -751,7 +782,14 @@ class ExpertCache:
         for k in [k for k in kept if k != keep]:
             if not self._resident(self.layers[k[0]].experts[k[1]], tier):
                 del kept[k]
+                self.layers[k[0]].stats.pushed_out += 1
         return sum(kept.values())
+
+    def dropped(self) -> None:
+        """Every copy of the experts on the device and host tiers was dropped (drop_caches):
+        the cache keeps none."""
+        for kept in self._kept.values():
+            kept.clear()
 
     def _used(self, expert: Expert) -> None:
         key = (expert.layer, expert.index)
@@ -827,6 +865,12 @@ class ExpertCache:
 
     # -- a forward --
 
+    def _enter(self, layer: ExpertLayer, used: Sequence[int]) -> None:
+        """`layer` runs, using experts `used`: they are not evicted while it runs."""
+        self._current = layer.index
+        self._runs[layer.index] = self._runs.get(layer.index, 0.0) + 1.0
+        self._protected = {(layer.index, e) for e in used}
+
     def run(
         self,
         layer: ExpertLayer,
@@ -851,7 +895,7 @@ class ExpertCache:
             stats.guessed_right += len(layer.guess.intersection(used))
             stats.routed_after_guess += len(used)
         layer.guess = set()
-        self._protected = {(layer.index, e) for e in used}
+        self._enter(layer, used)
         tokens = hidden_states.shape[0]
         where: dict[int, Tier] = {}
         on: dict[int, tuple[bool, bool]] = {}  # each expert's residency, asked once

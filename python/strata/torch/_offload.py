@@ -241,6 +241,8 @@ class Offloaded:
         for t in self._owned:
             self.runtime.evict(t, Tier.DEVICE)
             self.runtime.evict(t, Tier.HOST)
+        if self.experts is not None:
+            self.experts.dropped()
 
     def remove(self) -> None:
         """Takes the hooks off and destroys the tensors offload() mapped."""
