@@ -589,7 +589,9 @@ def find_router(parent: nn.Module, n: int, hidden: int) -> nn.Module | None:
 # (bench/moe-vs-accelerate.py: 0 of 64 experts a warm token, against 23 to 27 by density with
 # a share of 27). The runtime's own eviction must not undo this: it drops a clean copy that a
 # faster tier also holds (a dense block's host copy once the block is on the device tier)
-# before any expert (Note [Duplicates go first], runtime/src/residency/eviction_policies.cpp).
+# before any copy that is the only one above storage (Note [Duplicates go first],
+# runtime/src/residency/eviction_policies.cpp). An expert kept on the device tier leaves the
+# host share's account for that reason: its host copy is such a duplicate.
 # `pushed_out` counts the kept experts found evicted by the runtime for other tensors (behind
 # the cache's back: the cache keeps within its share, so it is 0 when the tiers' accounts hold).
 # Which tier held a needed expert is counted per layer: `hits` (the device tier), `host_hits`
@@ -742,6 +744,10 @@ class ExpertCache:
 
     def _keep(self, expert: Expert, tier: Tier) -> None:
         key = (expert.layer, expert.index)
+        if tier is Tier.DEVICE:
+            # Its host copy, if any, is now a duplicate the runtime drops first (Note
+            # [Duplicates go first]): not the host share's to keep.
+            self._kept[Tier.HOST].pop(key, None)
         kept = self._kept[tier]
         kept[key] = expert.nbytes
         total = sum(kept.values())
@@ -957,12 +963,13 @@ class ExpertCache:
         return final
 
     def stats(self) -> dict[str, Any]:
+        kept = {"device": self._prune(Tier.DEVICE), "host": self._prune(Tier.HOST)}  # counts first
         total = _LayerStats()
         for layer in self.layers:
             for k, v in vars(layer.stats).items():
                 setattr(total, k, getattr(total, k) + v)
         out = total.as_dict()
-        out["kept_bytes"] = {"device": self._prune(Tier.DEVICE), "host": self._prune(Tier.HOST)}
+        out["kept_bytes"] = kept
         out["share_bytes"] = {"device": self.share[Tier.DEVICE], "host": self.share[Tier.HOST]}
         out["layers"] = {layer.name: layer.stats.as_dict() for layer in self.layers}
         return out

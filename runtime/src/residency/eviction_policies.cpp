@@ -11,12 +11,13 @@ namespace strata {
 
 // Note [Duplicates go first]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// A copy whose tensor has a current copy on a faster tier serves no read while that copy stays
-// (reads are served from the fastest tier that holds one), so both policies evict a clean
-// duplicate before any copy that is the only one on or above its tier: the tiers then hold
-// more distinct tensors (exclusive caching, as Wong and Wilkes, USENIX ATC'02, argue for a
-// storage hierarchy). Dropping it costs a read from below only if the faster copy is evicted
-// before the next use. This matters where a loop keeps tensors of its own beside a schedule's:
+// A copy whose tensor has a current copy on a faster tier is not needed while that copy stays
+// (a lease on the faster tier uses it; a lease on this tier copies it back down), so both
+// policies evict a clean duplicate before any copy that is the only one on or above its tier
+// (stage(), a speculative move, does not: space.cpp). The tiers then hold more distinct
+// tensors (exclusive caching, as Wong and Wilkes, USENIX ATC'02, argue for a storage
+// hierarchy). Dropping it costs a read from below only if the faster copy is evicted before
+// the next use. This matters where a loop keeps tensors of its own beside a schedule's:
 // the schedule does not know them, so Belady ranks them farthest, and without this rule the
 // host copies of dense blocks already on the device tier pushed the expert cache's experts off
 // the host tier on every token (bench/moe-vs-accelerate.py: 0 of 64 experts a token found).

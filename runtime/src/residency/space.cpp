@@ -221,8 +221,10 @@ bool Runtime::Impl::stage(std::unique_lock<std::mutex>& lock, TensorState& t, Ti
     if (candidates.empty()) return false;
     std::vector<EvictionCandidate> view;
     for (TensorState* c : candidates)
-      view.push_back(
-          {c->id, c->bytes_on(tier), c->copies[idx(tier)].last_use, false, c->held_above(tier)});
+      // Not marked as duplicates (Note [Duplicates go first]): the requester, last used never,
+      // would then lose to each of them in turn, and a stage that still finds no room would
+      // have dropped them for nothing.
+      view.push_back({c->id, c->bytes_on(tier), c->copies[idx(tier)].last_use, false, false});
     view.push_back({t.id, t.bytes_on(tier), 0, false, false});
     const std::size_t pick = policy->choose(tier, view);
     if (pick >= candidates.size()) return false;

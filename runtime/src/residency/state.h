@@ -85,11 +85,14 @@ struct TensorState {
     const Copy& c = copies[idx(t)];
     return (c.state == CopyState::Valid || c.state == CopyState::Evicting) && c.version == version;
   }
-  /// A current copy on a tier faster than `t` that stays (not being evicted) serves its reads:
-  /// the copy on `t` is a duplicate (Note [Duplicates go first], eviction_policies.cpp).
+  /// A current copy on a tier faster than `t` that stays (not being evicted, not claimed for
+  /// another tensor's arrival in pieces) serves its reads: the copy on `t` is a duplicate (Note
+  /// [Duplicates go first], eviction_policies.cpp).
   [[nodiscard]] bool held_above(Tier t) const {
-    for (std::size_t i = 0; i < idx(t); ++i)
-      if (copies[i].state == CopyState::Valid && copies[i].version == version) return true;
+    for (std::size_t i = 0; i < idx(t); ++i) {
+      const Copy& c = copies[i];
+      if (c.state == CopyState::Valid && c.version == version && c.claimed_by == 0) return true;
+    }
     return false;
   }
   /// Nobody works on it: no move in flight, no copy pinned (a read, a move's source) and none
