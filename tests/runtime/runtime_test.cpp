@@ -423,8 +423,9 @@ TEST_F(RuntimeTest, EvictsTheFarthestNextUseThroughThePolicy) {
     EXPECT_TRUE(rt->resident(t[i], Tier::Device)) << i;
 }
 
-// Note [Duplicates go first]: a host copy of a tensor the device tier holds serves no read, so
-// it goes before a host-only copy, even a less recently used one, and under either policy.
+// Note [Duplicates go first]: a host copy of a tensor the device tier holds is not needed while
+// that copy stays, so it goes before a host-only copy, even a less recently used one, and
+// under either policy.
 void duplicates_go_first(Runtime& rt) {
   const std::uint64_t fits = rt.tier_stats(Tier::Host).capacity_bytes / (128 * KiB);
   ASSERT_GE(fits, 3u);

@@ -199,9 +199,8 @@ class _LayerStats:
     guessed_right: int = 0
     routed: int = 0  # experts used, summed over forwards
     routed_after_guess: int = 0  # of those, in forwards that had a guess
-    pushed_out: int = (
-        0  # kept experts the runtime evicted for other tensors (Note [The expert cache])
-    )
+    # kept experts the runtime evicted for other tensors (Note [The expert cache])
+    pushed_out: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         d = dict(vars(self))

@@ -86,12 +86,13 @@ struct TensorState {
     return (c.state == CopyState::Valid || c.state == CopyState::Evicting) && c.version == version;
   }
   /// A current copy on a tier faster than `t` that stays (not being evicted, not claimed for
-  /// another tensor's arrival in pieces) serves its reads: the copy on `t` is a duplicate (Note
-  /// [Duplicates go first], eviction_policies.cpp).
+  /// another tensor's arrival in pieces): the copy on `t` is a duplicate, not needed while that
+  /// one stays (Note [Duplicates go first], eviction_policies.cpp).
   [[nodiscard]] bool held_above(Tier t) const {
     for (std::size_t i = 0; i < idx(t); ++i) {
       const Copy& c = copies[i];
-      if (c.state == CopyState::Valid && c.version == version && c.claimed_by == 0) return true;
+      if (c.state == CopyState::Valid && c.claimed_by == 0 && current(static_cast<Tier>(i)))
+        return true;
     }
     return false;
   }

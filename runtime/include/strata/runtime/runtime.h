@@ -102,8 +102,8 @@ struct EvictionCandidate {
   std::uint64_t bytes = 0;
   std::uint64_t last_use = 0;  ///< a logical clock: larger is more recent
   bool dirty = false;          ///< evicting it costs a write-back
-  /// A current copy on a faster tier serves the tensor's reads while it stays: this copy is a
-  /// duplicate (Note [Duplicates go first]).
+  /// A current copy on a faster tier stays: this copy is a duplicate, not needed while that one
+  /// stays (Note [Duplicates go first]).
   bool above = false;
 };
 
